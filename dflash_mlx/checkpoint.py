@@ -1,0 +1,182 @@
+"""Reading and writing drafter checkpoints (published z-lab layout and ours).
+
+Both layouts share one config schema (see `DFlashConfig`) and the same weight
+names; ours adds an optional `quantization` entry and stores a single
+`model.safetensors`. Hub ids are fetched with `huggingface_hub`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
+
+from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_path(path_or_repo: str | Path, what: str, patterns: list[str]) -> Path:
+    """A local directory as is, otherwise a hub snapshot, with an error that says which failed."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_repo)
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
+    if looks_local:
+        raise FileNotFoundError(f"{what} directory not found: {name}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:  # the hub client raises many types; all mean "not available"
+        raise FileNotFoundError(
+            f"could not fetch {what} '{name}' from the Hugging Face hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            "If this machine is offline, pass a local directory instead."
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+    return {
+        name.removeprefix("model."): w
+        for name, w in weights.items()
+        if not name.endswith(IGNORED_SUFFIXES)
+    }
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on the CPU (bf16/quantized matmuls are not BLAS-accelerated there); else keep."""
+    return None if mx.metal.is_available() else mx.float32
+
+
+def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Dequantize and cast to `dtype`; `None` keeps the checkpoint's dtype and quantization."""
+    if dtype is None:
+        return
+    dequantize_model(model)
+    model.set_dtype(dtype)
+
+
+def load_draft(
+    path_or_repo: str | Path, dtype: mx.Dtype | None = None, kernels: str = "auto"
+) -> DFlashDraft:
+    """Load a DFlash drafter from a local directory or a hub id, in either layout.
+
+    `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on Metal.
+    `kernels` picks the block-attention backend ("auto", "metal" or "reference").
+    """
+    path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
+    config = DFlashConfig.from_dict(read_config(path))
+    weights = read_weights(path)
+    model = DFlashDraft(config, kernels)
+    if config.quantization:
+        q = config.quantization
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda name, m: f"{name}.scales" in weights,
+        )
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"drafter weights in {path} do not match its config: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, param in tree_flatten(model.parameters()):
+        if param.shape != weights[name].shape:
+            raise ValueError(
+                f"drafter weight {name} has shape {weights[name].shape}, "
+                f"config implies {param.shape}"
+            )
+    model.load_weights(list(weights.items()))
+    cast_model(model, dtype if dtype is not None else default_dtype())
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def init_draft(
+    model: nn.Module,
+    num_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    seed: int = 0,
+) -> DFlashDraft:
+    """A randomly initialised drafter shaped for `model` (for training or cost measurements).
+
+    Attention and MLP shapes follow the target's own layers; the tapped target
+    layers are spread as in the published drafters.
+    """
+    from .target import TargetAdapter
+
+    target = TargetAdapter(model)
+    args = getattr(model, "args", None)
+    hidden = target.hidden_size
+    heads = getattr(args, "num_attention_heads", max(1, hidden // 64))
+    n_target = len(target.layers)
+    config = DFlashConfig.from_dict(
+        {
+            "hidden_size": hidden,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(args, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(args, "head_dim", None) or hidden // heads,
+            "intermediate_size": getattr(args, "intermediate_size", 4 * hidden),
+            "vocab_size": target.vocab_size,
+            "rms_norm_eps": getattr(args, "rms_norm_eps", 1e-6),
+            "rope_theta": getattr(args, "rope_theta", 10000.0),
+            "block_size": block_size,
+            "num_target_layers": n_target,
+            "dflash_config": {
+                "target_layer_ids": default_target_layer_ids(n_target, num_layers),
+                "mask_token_id": target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            },
+        }
+    )
+    mx.random.seed(seed)
+    draft = DFlashDraft(config)
+    draft.set_dtype(default_dtype() or mx.bfloat16)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def save_draft(model: DFlashDraft, out_dir: str | Path, card: str) -> Path:
+    """Write our converted layout: config.json, model.safetensors, README.md."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
+    (out / "README.md").write_text(card)
+    return out

@@ -1,0 +1,73 @@
+"""The `dflash-mlx` command line: one subcommand per module that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+from . import __version__, convert
+from .blas import active_blas
+
+
+def cache_root() -> Path:
+    """Where dflash-mlx keeps imported models and fetched files."""
+    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+
+
+def info(_: argparse.Namespace) -> None:
+    import mlx.core as mx
+    import mlx_lm
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from .kernels import active_backend
+
+    rows = [
+        ("dflash-mlx", __version__),
+        ("python", platform.python_version()),
+        ("platform", f"{platform.system()} {platform.machine()}"),
+        ("mlx", mx.__version__),
+        ("mlx-lm", mlx_lm.__version__),
+        ("device", str(mx.default_device())),
+        ("metal available", str(mx.metal.is_available())),
+        ("BLAS", active_blas()),
+        ("block-attention kernels", active_backend()),
+        ("dflash-mlx cache", str(cache_root())),
+        ("hugging face cache", str(HF_HUB_CACHE)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-mlx", description="DFlash speculative decoding on MLX"
+    )
+    parser.add_argument("--version", action="version", version=f"dflash-mlx {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a drafter to the dflash-mlx layout")
+    convert.add_arguments(p)
+    p.set_defaults(func=convert.run)
+
+    p = sub.add_parser("info", help="show MLX, BLAS, Metal and cache information")
+    p.set_defaults(func=info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dflash-mlx {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Convert a drafter (published z-lab layout) to our layout: cast, optionally quantize.
+
+python -m dflash_mlx.convert z-lab/Qwen3-4B-DFlash-b16 --out qwen3-4b-dflash -q --q-bits 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .checkpoint import load_draft, save_draft
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+CARD = """# {name}
+
+A DFlash block-diffusion drafter converted for [dflash-mlx](https://pypi.org/project/dflash-mlx/).
+
+- source: `{source}`
+- dtype: {dtype}; quantization: {quant}
+- block size {block}, {layers} draft layers, target layers {ids}, mask token {mask}
+
+```python
+from dflash_mlx import load, load_draft, stream_generate
+draft = load_draft("{name}")
+```
+"""
+
+
+def convert_draft(
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    q_bits: int | None = None,
+    q_group_size: int = 64,
+) -> Path:
+    """Write `source` in our layout; `q_bits` (4 or 8) quantizes the linear layers."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if q_bits is not None and q_bits not in (4, 8):
+        raise ValueError(f"q_bits must be 4 or 8, got {q_bits}")
+    if q_group_size not in (32, 64, 128):
+        raise ValueError(f"q_group_size must be 32, 64 or 128, got {q_group_size}")
+    model = load_draft(source, dtype=DTYPES[dtype])
+    if q_bits is not None:
+        nn.quantize(
+            model,
+            group_size=q_group_size,
+            bits=q_bits,
+            class_predicate=lambda _, m: (
+                isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0
+            ),
+        )
+        model.config.quantization = {"group_size": q_group_size, "bits": q_bits}
+    cfg = model.config
+    card = CARD.format(
+        name=Path(out_dir).name,
+        source=source,
+        dtype=dtype,
+        quant=f"{q_bits}-bit, group {q_group_size}" if q_bits else "none",
+        block=cfg.block_size,
+        layers=cfg.num_hidden_layers,
+        ids=cfg.target_layer_ids,
+        mask=cfg.mask_token_id,
+    )
+    return save_draft(model, out_dir, card)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="drafter directory or hub id (published layout)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize linear layers")
+    parser.add_argument("--q-bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+
+
+def run(args: argparse.Namespace) -> None:
+    out = convert_draft(
+        args.source,
+        args.out,
+        dtype=args.dtype,
+        q_bits=args.q_bits if args.quantize else None,
+        q_group_size=args.q_group_size,
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    main(["convert", *sys.argv[1:]])

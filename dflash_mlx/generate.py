@@ -1,0 +1,262 @@
+"""The DFlash speculative loop.
+
+Each cycle the drafter proposes a block ([last committed token] + mask tokens →
+block_size - 1 draft tokens) in one forward, conditioned on the target's
+features of every committed position; the target verifies [last token] +
+drafts in one forward; the longest prefix where the draft equals the target's
+own choice is committed, plus the target's token after it. The target cache is
+trimmed back to the committed positions and the verified features of those
+positions become the drafter's new context. With greedy sampling the output is
+exactly the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import wired_limit
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .draft import DFlashDraft
+from .target import TargetAdapter
+
+PREFILL_STEP = 2048
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class GenerationResponse:
+    """One verify cycle's output (the first response carries the prefill's token).
+
+    Args:
+        text: the new text segment.
+        tokens: token ids committed in this cycle (an EOS that stopped generation included).
+        accepted: draft tokens accepted in this cycle.
+        proposed: draft tokens proposed in this cycle (block size - 1; 0 for the prefill).
+        prompt_tokens, prompt_tps: prompt length and prefill speed.
+        generation_tokens, generation_tps: tokens generated so far and their rate.
+        peak_memory: peak memory so far in GB.
+        finish_reason: None, "stop" (EOS) or "length" (max_tokens).
+    """
+
+    text: str
+    tokens: list[int]
+    accepted: int
+    proposed: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+    @property
+    def token(self) -> int:
+        """The last committed token, as in mlx-lm's response."""
+        return self.tokens[-1]
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) for t in ids):
+        raise ValueError("a token-id prompt must contain only integers")
+    return ids
+
+
+def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
+    """Fail early, naming the mismatch, when a drafter was not made for this target."""
+    cfg = draft.config
+    n_layers = len(target.layers)
+    out_of_range = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
+    if out_of_range:
+        raise ValueError(
+            f"drafter taps target layers {out_of_range}, but the target has {n_layers} layers"
+        )
+    n_features = len(cfg.target_layer_ids)
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"drafter fc expects {n_features} target layers x hidden size {cfg.hidden_size} "
+            f"= {n_features * cfg.hidden_size} features, but the target's hidden size is "
+            f"{target.hidden_size} ({n_features * target.hidden_size} features)"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"drafter vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}"
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+            f"(size {target.vocab_size})"
+        )
+
+
+def stream_generate(
+    model: nn.Module,
+    draft: DFlashDraft,
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[int] | mx.array,
+    block_size: int | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    sampler: Sampler | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate with DFlash speculative decoding, one response per verify cycle.
+
+    `block_size` defaults to the drafter's; 1 means plain autoregressive decoding
+    through the same loop. Sampling follows mlx-lm's `make_sampler` (greedy at
+    temperature 0); a custom `sampler` maps log-probabilities to token ids.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    block_size = draft.config.block_size if block_size is None else block_size
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    target = TargetAdapter(model)
+    check_compatible(target, draft)
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the target's vocabulary")
+    if target.max_context and len(prompt_ids) >= target.max_context:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; the target's context holds "
+            f"{target.max_context}"
+        )
+    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k=top_k)
+    caches = target.make_cache(), draft.make_cache()
+    return _speculate(target, draft, caches, tokenizer, prompt_ids, block_size, max_tokens, sampler)
+
+
+def _speculate(
+    target: TargetAdapter,
+    draft: DFlashDraft,
+    caches: tuple[list, list],
+    tokenizer: TokenizerWrapper,
+    prompt: list[int],
+    block_size: int,
+    max_tokens: int,
+    sampler: Sampler,
+) -> Iterator[GenerationResponse]:
+    model, cfg = target.model, draft.config
+    cache, draft_cache = caches
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    def sample(logits: mx.array) -> mx.array:
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    with target.capture(cfg.target_layer_ids) as captured, wired_limit(model):
+
+        def features() -> mx.array:
+            return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
+
+        tic = time.perf_counter()
+        for start in range(0, len(prompt), PREFILL_STEP):
+            logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
+            draft.append_context(features(), draft_cache)
+            mx.eval([c.state for c in cache + draft_cache])
+        committed = sample(logits[0, -1:]).tolist()
+        prompt_tps = len(prompt) / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        generated, accepted, proposed = 0, 0, 0
+
+        while True:
+            if eos & set(committed):
+                committed = committed[: min(committed.index(t) for t in eos & set(committed)) + 1]
+            generated += len(committed)
+            finish = (
+                "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
+            )
+            for t in committed:
+                if t not in eos:
+                    detokenizer.add_token(t)
+            if finish:
+                detokenizer.finalize()
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                tokens=committed,
+                accepted=accepted,
+                proposed=proposed,
+                prompt_tokens=len(prompt),
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+            )
+            if finish:
+                return
+
+            n = min(block_size, max_tokens - generated)
+            last = mx.array(committed[-1:])
+            if n > 1:
+                block = mx.concatenate([last, mx.full((n - 1,), cfg.mask_token_id, last.dtype)])
+                drafts = sample(
+                    draft.draft_logits(block, target.embed_tokens, target.lm_head, draft_cache)
+                )
+                verify = mx.concatenate([last, drafts.astype(last.dtype)])
+            else:
+                drafts, verify = mx.array([], dtype=mx.int32), last
+            choices = sample(model(verify[None], cache=cache)[0])
+            draft_ids, choice_ids = drafts.tolist(), choices.tolist()
+
+            proposed, accepted = n - 1, 0
+            while accepted < proposed and draft_ids[accepted] == choice_ids[accepted]:
+                accepted += 1
+            committed = choice_ids[: accepted + 1]
+            target.rollback(cache, n - accepted - 1)
+            draft.append_context(features()[:, : accepted + 1], draft_cache)
+
+
+def generate(
+    model: nn.Module,
+    draft: DFlashDraft,
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[int] | mx.array,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """The whole generated text; with `verbose`, stream it and print stats like mlx-lm."""
+    text, cycles, accepted, proposed = "", 0, 0, 0
+    response = None
+    for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+        cycles += 1
+        accepted += response.accepted
+        proposed += response.proposed
+    if verbose and response is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.3f} tokens-per-sec"
+        )
+        tau = (response.generation_tokens - 1) / max(cycles - 1, 1)
+        rate = accepted / max(proposed, 1)
+        print(f"Acceptance: {tau:.2f} tokens per cycle, {rate:.1%} of draft tokens accepted")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text

@@ -1,0 +1,55 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+import dflash_mlx  # noqa: F401  (binds the system BLAS before anything imports mlx)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import helpers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+TARGETS = {
+    "llama-tied-gqa": dict(family="llama", tied=True, heads=4, kv_heads=2),
+    "llama-untied-mha": dict(family="llama", tied=False, heads=4, kv_heads=4, seed=3),
+    "qwen3-tied-gqa": dict(family="qwen3", tied=True, heads=4, kv_heads=1, bos=False, seed=5),
+    "qwen3-untied-mha": dict(family="qwen3", tied=False, heads=2, kv_heads=2, seed=7),
+}
+
+
+@pytest.fixture(scope="session")
+def make_pair(workdir):
+    """(target dir, drafter dir) for a named target variant, built once per session."""
+    built = {}
+
+    def make(name: str):
+        if name not in built:
+            target = helpers.save_target(workdir / name, **TARGETS[name])
+            draft = helpers.save_draft(
+                workdir / f"{name}-draft", helpers.read_config(target), target_layer_ids=[1, 3]
+            )
+            built[name] = (target, draft)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def loaded(make_pair):
+    """Loaded (model, tokenizer, draft) per target variant, cached for the session."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            target, draft = make_pair(name)
+            model, tokenizer = dflash_mlx.load(target)
+            cache[name] = (model, tokenizer, dflash_mlx.load_draft(draft))
+        return cache[name]
+
+    return get

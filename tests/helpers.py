@@ -1,0 +1,214 @@
+"""Builders for tiny random targets, tokenizers and drafters saved to disk."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, qwen3
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts a block of tokens and verifies it in one pass.",
+    "How many positive whole-number divisors does 196 have?",
+    "print('hello world')  # a comment",
+    "Alice has 3 apples and buys 5 more; how many apples does she have now?",
+] * 20
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOKENIZER_VOCAB = 300
+EXTRA_ROWS = 20  # embedding rows beyond the tokenizer, like Qwen's padded vocab
+
+
+def build_tokenizer(path: Path, bos: bool = True) -> int:
+    """Train a byte-level BPE tokenizer and save it the way transformers reads it."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+        )
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>" if bos else None,
+        "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def save_target(
+    path: Path,
+    family: str = "llama",
+    *,
+    hidden: int = 64,
+    layers: int = 6,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = True,
+    eos_token_id: int = 1,
+    bos: bool = True,
+    seed: int = 0,
+    nested_rope: bool = False,
+) -> Path:
+    """A tiny random mlx-lm target (llama or qwen3) with tokenizer, saved to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(path, bos=bos) + EXTRA_ROWS
+    config = {
+        "model_type": family,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": tied,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": 0,
+    }
+    theta = 50000.0
+    if nested_rope:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        config["rope_theta"] = theta
+    module = {"llama": llama, "qwen3": qwen3}[family]
+    args = module.ModelArgs.from_dict({**config, "rope_theta": theta})
+    mx.random.seed(seed)
+    model = module.Model(args)
+    # Larger-than-default init so tiny random models have peaked, non-degenerate outputs.
+    params = tree_flatten(model.parameters())
+    scaled = [(k, v * 4.0 if v.ndim == 2 else v) for k, v in params]
+    model.load_weights(scaled)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def set_eos(path: Path, eos_token_id: int) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = eos_token_id
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def save_draft(
+    path: Path,
+    target_config: dict,
+    *,
+    layers: int = 2,
+    target_layer_ids: list[int] | None = None,
+    block_size: int = 16,
+    seed: int = 1,
+    shards: int = 1,
+    nested_rope: bool = False,
+    dtype: str = "bfloat16",
+    heads: int | None = None,
+    kv_heads: int | None = None,
+) -> Path:
+    """A tiny random drafter in the published (z-lab) layout: bf16 safetensors, Qwen3 config."""
+    path.mkdir(parents=True, exist_ok=True)
+    hidden = target_config["hidden_size"]
+    heads = heads or target_config["num_attention_heads"]
+    kv_heads = kv_heads or target_config["num_key_value_heads"]
+    head_dim = hidden // heads
+    n_features = len(target_layer_ids) if target_layer_ids else layers
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0, 1.5 / math.sqrt(cols), (rows, cols))
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.1 * rng.normal(size=n)
+
+    w = {"fc.weight": mat(hidden, n_features * hidden), "hidden_norm.weight": norm(hidden)}
+    w["norm.weight"] = norm(hidden)
+    inter = hidden * 2
+    for i in range(layers):
+        p = f"layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = mat(heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = mat(kv_heads * head_dim, hidden)
+        w[p + "self_attn.v_proj.weight"] = mat(kv_heads * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
+        w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+        w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = mat(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = mat(hidden, inter)
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+    arrays = {k: mx.array(v.astype(np.float32)).astype(getattr(mx, dtype)) for k, v in w.items()}
+
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "vocab_size": target_config["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "block_size": block_size,
+        "num_target_layers": target_config["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": target_config["vocab_size"] - 1},
+        "torch_dtype": dtype,
+    }
+    if target_layer_ids is not None:
+        config["dflash_config"]["target_layer_ids"] = target_layer_ids
+    if nested_rope:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        config["rope_theta"] = 1e6
+    (path / "config.json").write_text(json.dumps(config))
+    names = sorted(arrays)
+    if shards == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), arrays)
+    else:
+        index = {}
+        for s in range(shards):
+            part = names[s::shards]
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            mx.save_safetensors(str(path / file), {k: arrays[k] for k in part})
+            index.update({k: file for k in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return path
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def reference_greedy(model: nn.Module, prompt: list[int], max_tokens: int, eos: set[int]) -> list:
+    """mlx-lm's own greedy decode, stopped at EOS (EOS included) or max_tokens."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if token in eos:
+            break
+    return out

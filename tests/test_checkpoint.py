@@ -1,0 +1,247 @@
+"""Drafter checkpoints: both layouts, conversion, and clear errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import read_config, save_draft, save_target
+from mlx.utils import tree_flatten
+
+from dflash_mlx import load_draft, stream_generate
+from dflash_mlx.convert import convert_draft
+from dflash_mlx.draft import DFlashConfig, default_target_layer_ids
+
+
+def drafts_for(draft, model, contexts, blocks):
+    """Greedy drafts of `draft` for each (context features, block) pair, from a fresh cache."""
+    from dflash_mlx.target import TargetAdapter
+
+    target = TargetAdapter(model)
+    out = []
+    for features, block in zip(contexts, blocks):
+        cache = draft.make_cache()
+        draft.append_context(features, cache)
+        logits = draft.draft_logits(block, target.embed_tokens, target.lm_head, cache)
+        out.append(mx.argmax(logits, axis=-1))
+    return np.array(mx.stack(out))
+
+
+@pytest.fixture(scope="module")
+def published(make_pair, loaded):
+    target, draft_dir = make_pair("llama-tied-gqa")
+    model, _, draft = loaded("llama-tied-gqa")
+    rng = np.random.default_rng(0)
+    width = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    contexts = [mx.array(rng.normal(size=(1, n, width)).astype(np.float32)) for n in (3, 20, 50)]
+    mask = draft.config.mask_token_id
+    blocks = [mx.array([int(rng.integers(4, 300))] + [mask] * 15) for _ in contexts] * 3
+    contexts = contexts * 3
+    return target, draft_dir, model, draft, contexts, blocks
+
+
+def test_target_layer_ids_default_as_published():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 1) == [14]
+    cfg = read_config_dict(num_target_layers=36, layers=5)
+    assert DFlashConfig.from_dict(cfg).target_layer_ids == [1, 9, 17, 25, 33]
+
+
+def read_config_dict(num_target_layers: int, layers: int) -> dict:
+    return {
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 320,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": 319},
+    }
+
+
+def test_config_fields_exposed(loaded):
+    _, _, draft = loaded("llama-tied-gqa")
+    assert draft.config.block_size == 16
+    assert draft.config.target_layer_ids == [1, 3]
+    assert draft.config.mask_token_id == draft.config.vocab_size - 1
+
+
+def test_sharded_nested_rope_layout_loads_identically(published, workdir):
+    target, draft_dir, model, draft, contexts, blocks = published
+    cfg = read_config(target)
+    other = save_draft(
+        workdir / "sharded-draft", cfg, target_layer_ids=[1, 3], shards=3, nested_rope=True
+    )
+    sharded = load_draft(other)
+    assert sharded.config.rope_theta == draft.config.rope_theta == 1e6
+    for (name, a), (_, b) in zip(
+        tree_flatten(draft.parameters()), tree_flatten(sharded.parameters())
+    ):
+        assert mx.array_equal(a, b), name
+    assert np.array_equal(
+        drafts_for(draft, model, contexts, blocks), drafts_for(sharded, model, contexts, blocks)
+    )
+
+
+def test_loaded_in_float32_on_cpu(published):
+    draft = published[3]
+    assert {p.dtype for _, p in tree_flatten(draft.parameters())} == {mx.float32}
+
+
+def test_converted_float32_drafts_identically(published, workdir):
+    _, draft_dir, model, draft, contexts, blocks = published
+    out = convert_draft(draft_dir, workdir / "conv-f32", dtype="float32")
+    converted = load_draft(out)
+    assert (out / "README.md").exists()
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == 1e6
+    assert np.array_equal(
+        drafts_for(draft, model, contexts, blocks), drafts_for(converted, model, contexts, blocks)
+    )
+
+
+# Measured on these tiny random drafters (flat logits, so argmax flips easily): 8-bit 0.93,
+# 4-bit 0.69 of 135 draft positions agree with the unquantized drafter.
+@pytest.mark.parametrize("bits,min_agreement", [(8, 0.9), (4, 0.6)])
+def test_quantized_drafts_mostly_agree(published, workdir, bits, min_agreement):
+    _, draft_dir, model, draft, contexts, blocks = published
+    out = convert_draft(draft_dir, workdir / f"conv-q{bits}", q_bits=bits, q_group_size=32)
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+    converted = load_draft(out)
+    reference = drafts_for(draft, model, contexts, blocks)
+    agreement = (reference == drafts_for(converted, model, contexts, blocks)).mean()
+    assert agreement >= min_agreement, agreement
+
+
+def test_quantized_drafter_is_dequantized_on_cpu(published, workdir):
+    import mlx.nn as nn
+
+    out = convert_draft(published[1], workdir / "conv-keep", q_bits=4, q_group_size=32)
+    model = load_draft(out)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert {p.dtype for _, p in tree_flatten(model.parameters())} == {mx.float32}
+
+
+def test_convert_cli_in_subprocess(published, workdir):
+    out = workdir / "cli-conv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "convert", str(published[1]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert load_draft(out).config.target_layer_ids == [1, 3]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "convert", str(workdir / "nope"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    assert "drafter directory not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+def test_missing_directory_and_offline_hub(workdir):
+    with pytest.raises(FileNotFoundError, match="directory not found"):
+        load_draft(workdir / "does-not-exist")
+    with pytest.raises(FileNotFoundError, match="offline"):
+        load_draft("z-lab/definitely-not-a-real-drafter-xyz")
+
+
+def test_missing_config_and_weights(workdir, published):
+    empty = workdir / "empty-draft"
+    empty.mkdir(exist_ok=True)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_draft(empty)
+    (empty / "config.json").write_text((published[1] / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_draft(empty)
+
+
+def test_corrupted_files(workdir, published):
+    bad = workdir / "corrupt-draft"
+    bad.mkdir(exist_ok=True)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_draft(bad)
+    (bad / "config.json").write_text((published[1] / "config.json").read_text())
+    data = (published[1] / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read weights"):
+        load_draft(bad)
+
+
+def test_config_missing_fields(workdir, published):
+    cfg = read_config(published[1])
+    for field, message in [
+        ("hidden_size", "hidden_size"),
+        ("dflash_config", "mask_token_id"),
+    ]:
+        broken = dict(cfg)
+        del broken[field]
+        if field == "dflash_config":
+            broken["dflash_config"] = {"target_layer_ids": [1, 3]}
+        with pytest.raises(ValueError, match=message):
+            DFlashConfig.from_dict(broken)
+    no_ids = {k: v for k, v in cfg.items() if k != "num_target_layers"}
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DFlashConfig.from_dict(no_ids | {"dflash_config": {"mask_token_id": 3}})
+
+
+def test_weights_not_matching_config(workdir, published):
+    cfg = read_config(published[0])
+    other = save_draft(workdir / "three-feature-draft", cfg, target_layer_ids=[1, 2, 3])
+    config = read_config(other)
+    config["dflash_config"]["target_layer_ids"] = [1, 3]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fc.weight"):
+        load_draft(other)
+
+
+def expect_generation_error(model, tokenizer, draft, match, **kwargs):
+    kwargs.setdefault("prompt", [5, 6, 7])
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(ValueError, match=match):
+        next(iter(stream_generate(model, draft, tokenizer, prompt, **kwargs)))
+
+
+def test_mismatched_drafter_and_target(workdir, loaded):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    wide = save_target(workdir / "wide-target", hidden=96, heads=4, kv_heads=2)
+    wide_draft = load_draft(save_draft(workdir / "wide-draft", read_config(wide), layers=2))
+    expect_generation_error(model, tokenizer, wide_draft, "hidden size 96")
+
+    cfg = read_config(workdir / "llama-tied-gqa")
+    deep = load_draft(save_draft(workdir / "deep-draft", cfg, target_layer_ids=[1, 9]))
+    expect_generation_error(model, tokenizer, deep, r"layers \[9\].*has 6 layers")
+
+    vocab = load_draft(
+        save_draft(workdir / "vocab-draft", cfg | {"vocab_size": 999}, target_layer_ids=[1, 3])
+    )
+    expect_generation_error(model, tokenizer, vocab, "vocab size 999")
+
+    path = save_draft(workdir / "mask-draft", cfg, target_layer_ids=[1, 3])
+    config = read_config(path)
+    config["dflash_config"]["mask_token_id"] = 5000
+    (path / "config.json").write_text(json.dumps(config))
+    expect_generation_error(model, tokenizer, load_draft(path), "mask_token_id 5000")
+
+
+def test_bad_generation_arguments(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    expect_generation_error(model, tokenizer, draft, "max_tokens must be positive", max_tokens=0)
+    expect_generation_error(model, tokenizer, draft, "max_tokens must be positive", max_tokens=-3)
+    expect_generation_error(model, tokenizer, draft, "empty", prompt="")
+    expect_generation_error(model, tokenizer, draft, "empty", prompt=[])
+    expect_generation_error(model, tokenizer, draft, "block_size", block_size=0)
+    expect_generation_error(model, tokenizer, draft, "only integers", prompt=[1.5])
+    expect_generation_error(model, tokenizer, draft, "outside", prompt=[10**6])
+    expect_generation_error(model, tokenizer, draft, "context holds 4096", prompt=[5] * 4096)
+
+
+def test_kernels_option_validated(published):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        load_draft(published[1], kernels="cuda")

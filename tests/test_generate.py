@@ -1,0 +1,179 @@
+"""The speculative loop: exact equality with mlx-lm's greedy decode, and its bookkeeping."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import reference_greedy, set_eos
+
+import dflash_mlx
+from dflash_mlx import stream_generate
+from dflash_mlx.draft import DFlashDraft
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(4, 300, size=length).tolist()
+
+
+def run(model, draft, tokenizer, prompt, **kwargs):
+    responses = list(stream_generate(model, draft, tokenizer, prompt, **kwargs))
+    tokens = [t for r in responses for t in r.tokens]
+    return tokens, responses
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("prompt_len", [1, 13, 200])
+def test_greedy_equals_mlx_lm(loaded, block_size, prompt_len):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(prompt_len, seed=prompt_len)
+    expected = reference_greedy(model, prompt, 48, set(tokenizer.eos_token_ids))
+    tokens, responses = run(model, draft, tokenizer, prompt, block_size=block_size, max_tokens=48)
+    assert tokens == expected
+    assert responses[-1].generation_tokens == len(expected)
+
+
+@pytest.mark.parametrize("name", ["llama-untied-mha", "qwen3-tied-gqa", "qwen3-untied-mha"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_equals_mlx_lm_across_families(loaded, name, block_size):
+    model, tokenizer, draft = loaded(name)
+    prompt = prompt_of(31, seed=block_size)
+    expected = reference_greedy(model, prompt, 64, set(tokenizer.eos_token_ids))
+    tokens, _ = run(model, draft, tokenizer, prompt, block_size=block_size, max_tokens=64)
+    assert tokens == expected
+
+
+class OracleDraft(DFlashDraft):
+    """Proposes the target's true greedy continuation: every draft must be accepted."""
+
+    def __init__(self, draft: DFlashDraft, sequence: list[int]):
+        super().__init__(draft.config)
+        self.update(draft.parameters())
+        object.__setattr__(self, "sequence", sequence)
+
+    def draft_logits(self, block, embed, lm_head, cache):
+        start = cache[0].offset
+        truth = mx.array(self.sequence[start + 1 : start + block.shape[0]])
+        return 100.0 * mx.eye(self.config.vocab_size)[truth]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_oracle_drafter_is_fully_accepted(loaded, block_size):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = prompt_of(9, seed=1)
+    max_tokens = 61
+    expected = reference_greedy(model, prompt, max_tokens, set())
+    oracle = OracleDraft(draft, prompt + expected)
+    tokens, responses = run(
+        model, oracle, tokenizer, prompt, block_size=block_size, max_tokens=max_tokens
+    )
+    assert tokens == expected
+    cycles = responses[1:]
+    assert all(r.accepted == r.proposed for r in cycles)
+    assert all(r.proposed == block_size - 1 for r in cycles[:-1])
+    assert [len(r.tokens) for r in cycles[:-1]] == [block_size] * (len(cycles) - 1)
+    assert len(cycles) == -(-(max_tokens - 1) // block_size)
+
+
+def test_eos_inside_a_block_stops_there(make_pair, workdir):
+    target, draft_dir = make_pair("llama-tied-gqa")
+    model, tokenizer = dflash_mlx.load(target)
+    draft = dflash_mlx.load_draft(draft_dir)
+    prompt = prompt_of(17, seed=4)
+    free_run = reference_greedy(model, prompt, 80, set())
+    eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
+    stop = free_run.index(eos)
+    eos_dir = workdir / "eos-target"
+    eos_dir.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        (eos_dir / f.name).write_bytes(f.read_bytes())
+    set_eos(eos_dir, eos)
+    model, tokenizer = dflash_mlx.load(eos_dir)
+    oracle = OracleDraft(draft, prompt + free_run)
+    for drafter in (draft, oracle):
+        tokens, responses = run(model, drafter, tokenizer, prompt, block_size=16, max_tokens=80)
+        assert tokens == free_run[: stop + 1]
+        assert responses[-1].finish_reason == "stop"
+        assert responses[-1].tokens[-1] == eos
+    assert responses[-1].proposed == 15 and len(responses[-1].tokens) < 16
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 17, 37])
+def test_max_tokens_is_exact(loaded, max_tokens):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(5, seed=9)
+    expected = reference_greedy(model, prompt, max_tokens, set())
+    oracle = OracleDraft(draft, prompt + expected + [0] * 16)
+    tokens, responses = run(model, oracle, tokenizer, prompt, block_size=16, max_tokens=max_tokens)
+    assert tokens == expected and len(tokens) == max_tokens
+    assert responses[-1].finish_reason == "length"
+    assert all(r.finish_reason is None for r in responses[:-1])
+
+
+def test_response_fields_and_text(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    tokens, responses = run(model, draft, tokenizer, "How many apples?", max_tokens=20)
+    first = responses[0]
+    assert len(first.tokens) == 1 and first.accepted == 0 and first.proposed == 0
+    assert first.prompt_tokens == len(tokenizer.encode("How many apples?"))
+    assert all(r.prompt_tps > 0 and r.generation_tps > 0 and r.peak_memory > 0 for r in responses)
+    assert [r.generation_tokens for r in responses] == list(
+        np.cumsum([len(r.tokens) for r in responses])
+    )
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
+
+
+def test_string_prompt_gets_a_single_bos(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    plain = next(stream_generate(model, draft, tokenizer, "hello world", max_tokens=1))
+    with_bos = next(stream_generate(model, draft, tokenizer, "<s>hello world", max_tokens=1))
+    assert plain.prompt_tokens == with_bos.prompt_tokens
+    assert plain.tokens == with_bos.tokens
+
+
+def test_prompt_types_agree(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    ids = tokenizer.encode("def add(a, b):")
+    runs = [run(model, draft, tokenizer, p, max_tokens=12)[0] for p in (ids, mx.array(ids))]
+    runs.append(run(model, draft, tokenizer, "def add(a, b):", max_tokens=12)[0])
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_generate_returns_text_and_prints_stats(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    text = dflash_mlx.generate(model, draft, tokenizer, "Alice has", max_tokens=10, verbose=True)
+    out = capsys.readouterr().out
+    assert text and text in out
+    assert "Generation: 10 tokens" in out and "Acceptance:" in out
+
+
+def test_sampling_runs_and_is_reproducible(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    outs = []
+    for _ in range(2):
+        mx.random.seed(42)
+        outs.append(run(model, draft, tokenizer, [5, 6, 7], max_tokens=30, temperature=0.8)[0])
+    assert outs[0] == outs[1] and len(outs[0]) == 30
+
+
+def test_capture_hooks_are_removed_after_generation(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    classes = [type(layer) for layer in model.layers]
+    gen = stream_generate(model, draft, tokenizer, [5, 6], max_tokens=50)
+    next(gen)
+    assert type(model.layers[1]) is not classes[1]  # hooked while generating
+    assert type(model.layers[0]) is classes[0]  # untapped layers untouched
+    gen.close()
+    assert [type(layer) for layer in model.layers] == classes
+    assert all("_dflash_sink" not in vars(layer) for layer in model.layers)
+
+
+def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
+    from dflash_mlx.checkpoint import init_draft
+
+    model, tokenizer, _ = loaded("qwen3-untied-mha")
+    draft = init_draft(model, num_layers=3, block_size=8)
+    assert draft.config.target_layer_ids == [1, 2, 3]
+    assert draft.config.mask_token_id == draft.config.vocab_size - 1
+    prompt = prompt_of(11, seed=2)
+    expected = reference_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
+    assert run(model, draft, tokenizer, prompt, max_tokens=40)[0] == expected

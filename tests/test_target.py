@@ -1,0 +1,109 @@
+"""Target side: loading (dtype, RoPE θ), lazy hidden-state capture, supported families, BLAS."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from helpers import read_config, save_target
+from mlx.utils import tree_flatten
+from mlx_lm.models import gpt_oss
+from mlx_lm.utils import save_model
+
+import dflash_mlx
+from dflash_mlx import stream_generate
+from dflash_mlx.target import TargetAdapter
+
+
+def test_nested_rope_theta_is_honoured(workdir, make_pair):
+    top, _ = make_pair("llama-tied-gqa")
+    nested = save_target(workdir / "nested-rope", nested_rope=True)
+    assert "rope_theta" not in read_config(nested)
+    tokens = mx.array([[5, 9, 33, 70, 100, 4, 8]])
+    logits = [dflash_mlx.load(p)[0](tokens) for p in (top, nested)]
+    assert mx.allclose(logits[0], logits[1], atol=1e-5)
+    assert dflash_mlx.load(nested)[0].model.layers[0].self_attn.rope.base == 50000.0
+
+
+def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(workdir, make_pair, loaded):
+    target, _ = make_pair("qwen3-untied-mha")
+    model, _, _ = loaded("qwen3-untied-mha")
+    bf16 = workdir / "bf16-target"
+    bf16.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        (bf16 / f.name).write_bytes(f.read_bytes())
+    weights = mx.load(str(target / "model.safetensors"))
+    mx.save_safetensors(
+        str(bf16 / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    )
+    reloaded, _ = dflash_mlx.load(bf16)
+    assert {p.dtype for _, p in tree_flatten(reloaded.parameters())} == {mx.float32}
+    halves, _ = dflash_mlx.load(bf16, dtype=mx.float16)
+    assert {p.dtype for _, p in tree_flatten(halves.parameters())} == {mx.float16}
+
+    q_dir = workdir / "q4-target"
+    nn.quantize(model_q := dflash_mlx.load(target)[0], group_size=32, bits=4)
+    save_model(q_dir, model_q)
+    config = read_config(target) | {"quantization": {"group_size": 32, "bits": 4}}
+    (q_dir / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (q_dir / f).write_bytes((target / f).read_bytes())
+    dequantized, _ = dflash_mlx.load(q_dir)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dequantized.named_modules())
+    assert {p.dtype for _, p in tree_flatten(dequantized.parameters())} == {mx.float32}
+    tokens = mx.array([[5, 9, 33]])
+    assert mx.allclose(dequantized(tokens), model_q(tokens), atol=1e-4)
+
+
+def test_captured_features_are_the_layer_outputs(loaded):
+    model, _, _ = loaded("llama-untied-mha")
+    target = TargetAdapter(model)
+    tokens = mx.array([[5, 9, 33, 70, 100]])
+    h = target.embed_tokens(tokens)
+    expected = {}
+    mask = "causal"
+    for i, layer in enumerate(target.layers):
+        h = layer(h, mask)
+        expected[i] = h
+    with target.capture([4, 1]) as captured:
+        logits = model(tokens)
+        assert set(captured) == {1, 4}
+        mx.eval(logits)
+        for i in (1, 4):
+            assert mx.allclose(captured[i], expected[i], atol=1e-5)
+    assert type(target.layers[1]).__name__ == "TransformerBlock"
+
+
+def test_unsupported_family_names_itself(loaded):
+    _, tokenizer, draft = loaded("llama-tied-gqa")
+    args = gpt_oss.ModelArgs(
+        num_hidden_layers=6,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        vocab_size=draft.config.vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    )
+    model = gpt_oss.Model(args)
+    with pytest.raises(ValueError, match="'gpt_oss' is not supported.*RotatingKVCache"):
+        stream_generate(model, draft, tokenizer, [5, 6, 7])
+
+
+def test_blas_binding_reported_and_can_be_disabled():
+    code = "import dflash_mlx; print(dflash_mlx.active_blas())"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = dict(os.environ, DFLASH_MLX_NO_BLAS="1")
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "disabled by DFLASH_MLX_NO_BLAS" in off.stdout
+    if sys.platform.startswith("linux") and os.path.exists(
+        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    ):
+        assert on.stdout.startswith("OpenBLAS")
