@@ -4,7 +4,13 @@ from . import blas  # noqa: F401  (must bind the system BLAS before mlx is impor
 from .blas import active_blas
 from .checkpoint import load_draft
 from .draft import DFlashConfig, DFlashDraft
-from .generate import GenerationResponse, generate, stream_generate
+from .generate import (
+    GenerationResponse,
+    PromptCache,
+    generate,
+    make_prompt_cache,
+    stream_generate,
+)
 from .target import TargetAdapter, load
 
 __version__ = "0.1.0"
@@ -12,10 +18,12 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraft",
     "GenerationResponse",
+    "PromptCache",
     "TargetAdapter",
     "active_blas",
     "generate",
     "load",
     "load_draft",
+    "make_prompt_cache",
     "stream_generate",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,6 +59,37 @@ class GenerationResponse:
     def token(self) -> int:
         """The last committed token, as in mlx-lm's response."""
         return self.tokens[-1]
+
+
+@dataclass
+class PromptCache:
+    """Target and drafter caches kept across calls, e.g. the turns of a chat.
+
+    `tokens` are the positions both caches hold. A later prompt that starts with
+    them is prefilled only from where it differs; anything beyond (a reply cut
+    short, a re-rendered template) is trimmed away first.
+    """
+
+    target: list
+    draft: list
+    tokens: list[int] = field(default_factory=list)
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Trim both caches to the longest prefix shared with `prompt`; return its length."""
+        shared = 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        while shared < limit and self.tokens[shared] == prompt[shared]:
+            shared += 1
+        for c in self.target + self.draft:
+            if c.offset > shared:
+                c.trim(c.offset - shared)
+        self.tokens = self.tokens[:shared]
+        return shared
+
+
+def make_prompt_cache(model: nn.Module, draft: DFlashDraft) -> PromptCache:
+    """An empty cache to pass as `prompt_cache=` to successive `stream_generate` calls."""
+    return PromptCache(TargetAdapter(model).make_cache(), draft.make_cache())
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> list[int]:
@@ -117,12 +148,15 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     sampler: Sampler | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
     `block_size` defaults to the drafter's; 1 means plain autoregressive decoding
     through the same loop. Sampling follows mlx-lm's `make_sampler` (greedy at
     temperature 0); a custom `sampler` maps log-probabilities to token ids.
+    `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
+    pass the whole conversation as `prompt`; only the new part is prefilled.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -143,14 +177,17 @@ def stream_generate(
             f"{target.max_context}"
         )
     sampler = sampler or make_sampler(temperature, top_p, min_p, top_k=top_k)
-    caches = target.make_cache(), draft.make_cache()
-    return _speculate(target, draft, caches, tokenizer, prompt_ids, block_size, max_tokens, sampler)
+    if prompt_cache is None:
+        prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
+    return _speculate(
+        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, sampler
+    )
 
 
 def _speculate(
     target: TargetAdapter,
     draft: DFlashDraft,
-    caches: tuple[list, list],
+    prompt_cache: PromptCache,
     tokenizer: TokenizerWrapper,
     prompt: list[int],
     block_size: int,
@@ -158,7 +195,8 @@ def _speculate(
     sampler: Sampler,
 ) -> Iterator[GenerationResponse]:
     model, cfg = target.model, draft.config
-    cache, draft_cache = caches
+    cache, draft_cache = prompt_cache.target, prompt_cache.draft
+    reused = prompt_cache.reuse(prompt)
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -172,12 +210,13 @@ def _speculate(
             return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
 
         tic = time.perf_counter()
-        for start in range(0, len(prompt), PREFILL_STEP):
+        for start in range(reused, len(prompt), PREFILL_STEP):
             logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
             draft.append_context(features(), draft_cache)
             mx.eval([c.state for c in cache + draft_cache])
         committed = sample(logits[0, -1:]).tolist()
-        prompt_tps = len(prompt) / (time.perf_counter() - tic)
+        prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)
+        prompt_cache.tokens = list(prompt)
         tic = time.perf_counter()
         generated, accepted, proposed = 0, 0, 0
 
@@ -220,6 +259,7 @@ def _speculate(
                 drafts, verify = mx.array([], dtype=mx.int32), last
             choices = sample(model(verify[None], cache=cache)[0])
             draft_ids, choice_ids = drafts.tolist(), choices.tolist()
+            verify_ids = committed[-1:] + draft_ids
 
             proposed, accepted = n - 1, 0
             while accepted < proposed and draft_ids[accepted] == choice_ids[accepted]:
@@ -227,6 +267,7 @@ def _speculate(
             committed = choice_ids[: accepted + 1]
             target.rollback(cache, n - accepted - 1)
             draft.append_context(features()[:, : accepted + 1], draft_cache)
+            prompt_cache.tokens.extend(verify_ids[: accepted + 1])
 
 
 def generate(

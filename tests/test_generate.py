@@ -177,3 +177,31 @@ def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
     prompt = prompt_of(11, seed=2)
     expected = reference_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
     assert run(model, draft, tokenizer, prompt, max_tokens=40)[0] == expected
+
+
+def test_prompt_cache_prefills_only_the_new_turn_and_stays_lossless(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    first = prompt_of(40, seed=11)
+    reply, responses = run(model, draft, tokenizer, first, max_tokens=20, prompt_cache=cache)
+    assert responses[0].prompt_tokens == 40
+    second = first + reply + prompt_of(7, seed=12)
+    expected = reference_greedy(model, second, 30, set(tokenizer.eos_token_ids))
+    gen = stream_generate(model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache)
+    reused = len(cache.tokens)
+    tokens = [t for r in gen for t in r.tokens]
+    assert tokens == expected
+    assert reused == len(first) + len(reply) - 1  # the last reply token was never fed
+
+
+def test_prompt_cache_survives_an_interrupted_reply(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    first = prompt_of(25, seed=13)
+    gen = stream_generate(model, draft, tokenizer, first, max_tokens=200, prompt_cache=cache)
+    partial = [t for _, r in zip(range(4), gen) for t in r.tokens]
+    gen.close()
+    edited = first + partial[:2] + prompt_of(5, seed=14)  # history re-rendered differently
+    expected = reference_greedy(model, edited, 25, set(tokenizer.eos_token_ids))
+    assert run(model, draft, tokenizer, edited, max_tokens=25, prompt_cache=cache)[0] == expected
+    assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
