@@ -199,6 +199,11 @@ def mlx_weights(weights: dict[str, mx.array], config: dict) -> dict[str, mx.arra
     return out
 
 
+def _bits(packed: mx.array, scales: mx.array) -> int:
+    # uint32 words per group of 32 weights == bits per weight
+    return packed.shape[-1] // scales.shape[-1]
+
+
 def dequantize_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Replace each quantized triplet with its float32 weight."""
     out = {}
@@ -208,8 +213,7 @@ def dequantize_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
             continue
         if suffix == "weight" and f"{base}.scales" in weights:
             scales, biases = weights[f"{base}.scales"], weights[f"{base}.biases"]
-            bits = w.shape[-1] // scales.shape[-1]
-            w = mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=bits)
+            w = mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=_bits(w, scales))
         out[name] = w.astype(mx.float32)
     return out
 
@@ -217,8 +221,7 @@ def dequantize_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 def quantization_config(weights: dict[str, mx.array]) -> dict | None:
     """mlx-lm ``quantization``: the commonest bit width, plus per-layer exceptions."""
     bits = {
-        name.removesuffix(".scales"): weights[name.replace(".scales", ".weight")].shape[-1]
-        // s.shape[-1]
+        name.removesuffix(".scales"): _bits(weights[name.replace(".scales", ".weight")], s)
         for name, s in weights.items()
         if name.endswith(".scales")
     }
