@@ -80,7 +80,9 @@ def test_env_reference_skips_self_check(fresh_selection, monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "reference")
     assert kernels.active_backend() == "reference"
     args = make_inputs(9)
-    assert mx.array_equal(kernels.block_attention(*args, scale=0.5), reference_attention(*args, 0.5))
+    assert mx.array_equal(
+        kernels.block_attention(*args, scale=0.5), reference_attention(*args, 0.5)
+    )
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,9 @@ def test_env_reference_skips_self_check(fresh_selection, monkeypatch):
     ],
 )
 def test_launch_config(gqa, block_len, head_dim, rb, tk, n_groups):
-    template, grid, threadgroup = metal.launch_config(2, 3 * gqa, 3, block_len, head_dim, mx.float16)
+    template, grid, threadgroup = metal.launch_config(
+        2, 3 * gqa, 3, block_len, head_dim, mx.float16
+    )
     t = dict(template)
     assert t == {"T": mx.float16, "D": head_dim, "TK": tk, "RB": rb, "NT": metal.THREADS}
     assert threadgroup == (metal.THREADS, 1, 1)

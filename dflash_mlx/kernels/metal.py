@@ -52,10 +52,10 @@ def launch_config(
     return template, grid, (THREADS, 1, 1)
 
 
-@cache
-def _kernel(factory):
+def kernel_spec() -> dict:
+    """Keyword arguments for mx.fast.metal_kernel that define the kernel."""
     header, body = load_sources()
-    return factory(
+    return dict(
         name="dflash_block_attention",
         input_names=list(INPUT_NAMES),
         output_names=["out"],
@@ -63,6 +63,33 @@ def _kernel(factory):
         header=header,
         ensure_row_contiguous=False,
     )
+
+
+def kernel_call(queries, ctx_keys, ctx_values, block_keys, block_values, scale: float) -> dict:
+    """Keyword arguments of one kernel call; K/V are bound in place (strided views are fine)."""
+    b, n_q_heads, block_len, head_dim = queries.shape
+    n_ctx = ctx_keys.shape[2]
+    if n_ctx == 0:
+        # An empty buffer cannot be bound; the kernel reads no context row anyway.
+        ctx_keys, ctx_values = block_keys, block_values
+    template, grid, threadgroup = launch_config(
+        b, n_q_heads, block_keys.shape[1], block_len, head_dim, queries.dtype
+    )
+    inputs = [queries, ctx_keys, ctx_values, block_keys, block_values]
+    inputs += [mx.array([n_ctx], dtype=mx.int32), mx.array([scale], dtype=mx.float32)]
+    return dict(
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+
+
+@cache
+def _kernel(factory):
+    return factory(**kernel_spec())
 
 
 def metal_attention(
@@ -73,32 +100,9 @@ def metal_attention(
     block_values: mx.array,
     scale: float,
 ) -> mx.array:
-    """Run the kernel; inputs are read in place (strided views are fine)."""
-    b, n_q_heads, block_len, head_dim = queries.shape
-    n_ctx = ctx_keys.shape[2]
-    if n_ctx == 0:
-        # An empty buffer cannot be bound; the kernel reads no context row anyway.
-        ctx_keys, ctx_values = block_keys, block_values
-    template, grid, threadgroup = launch_config(
-        b, n_q_heads, block_keys.shape[1], block_len, head_dim, queries.dtype
-    )
-    inputs = [
-        queries,
-        ctx_keys,
-        ctx_values,
-        block_keys,
-        block_values,
-        mx.array([n_ctx], dtype=mx.int32),
-        mx.array([scale], dtype=mx.float32),
-    ]
-    return _kernel(kernel_factory)(
-        inputs=inputs,
-        template=template,
-        grid=grid,
-        threadgroup=threadgroup,
-        output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
-    )[0]
+    """Run the kernel (see block_attention for the shapes)."""
+    call = kernel_call(queries, ctx_keys, ctx_values, block_keys, block_values, scale)
+    return _kernel(kernel_factory)(**call)[0]
 
 
 def self_check() -> str | None:
