@@ -71,7 +71,8 @@ def convert_draft(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="drafter directory or hub id (published layout)")
+    parser.add_argument("source", nargs="?", help="drafter directory or hub id (published layout)")
+    parser.add_argument("--gguf", help="import this GGUF target model instead of a drafter")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize linear layers")
@@ -80,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if (args.gguf is None) == (args.source is None):
+        raise ValueError("give either a drafter SOURCE or --gguf FILE")
+    if args.gguf:
+        from .gguf import convert_gguf
+
+        print(f"wrote {convert_gguf(args.gguf, args.out)}")
+        return
     out = convert_draft(
         args.source,
         args.out,

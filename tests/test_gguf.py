@@ -332,3 +332,22 @@ def test_smollm2_greedy_chat_is_coherent(smollm2):
     assert {"the", "is"} & set(words), answer
     assert sum(ch.isascii() for ch in answer) / len(answer) > 0.95, answer
     assert len(set(words)) >= len(words) / 2, answer  # not a loop of one phrase
+
+
+def test_convert_cli_imports_a_gguf(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    import dflash_mlx
+
+    out = tmp_path / "cli-import"
+    cmd = [sys.executable, "-m", "dflash_mlx", "convert", "--gguf", str(tiny[0]), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model, _ = dflash_mlx.load(out)
+    assert model.model_type == "llama"
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf at all")
+    cmd[cmd.index(str(tiny[0]))] = str(tmp_path / "bad.gguf")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
