@@ -119,3 +119,16 @@ def test_supports():
     assert not metal.supports(*[a.astype(mx.int32) for a in args])
     assert not metal.supports(args[0].astype(mx.float16), *args[1:])
     assert not metal.supports(*make_inputs(4, head_dim=80))
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (Metal)")
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.float16, 5e-3), (mx.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "s,gqa,head_dim,block_len", [(0, 1, 64, 16), (17, 8, 128, 3), (1000, 4, 64, 16)]
+)
+def test_metal_kernel_on_gpu(s, gqa, head_dim, block_len, dtype, tol):
+    args = make_inputs(s, gqa=gqa, block_len=block_len, head_dim=head_dim, dtype=dtype)
+    got = kernels.block_attention(*args, scale=head_dim**-0.5, backend="metal")
+    want = sdpa_on_concat(*[a.astype(mx.float32) for a in args], scale=head_dim**-0.5)
+    assert got.dtype == dtype
+    assert mx.abs(got.astype(mx.float32) - want).max().item() < tol
