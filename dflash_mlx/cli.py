@@ -1,4 +1,8 @@
-"""The `dflash-mlx` command line: one subcommand per module that does the work."""
+"""The `dflash-mlx` command line: one subcommand per module that does the work.
+
+Each module in `COMMANDS` has `add_arguments(parser)` and `run(args)`; adding a
+subcommand is one line there.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import platform
 import sys
 from pathlib import Path
 
-from . import __version__, convert
+from . import __version__, chat, convert, oneshot, server
 from .blas import active_blas
 
 
@@ -42,6 +46,14 @@ def info(_: argparse.Namespace) -> None:
         print(f"{key:<{width}}  {value}")
 
 
+COMMANDS = {
+    "convert": (convert, "convert a drafter to the dflash-mlx layout"),
+    "generate": (oneshot, "generate a reply to one prompt"),
+    "chat": (chat, "chat with a model in the terminal"),
+    "serve": (server, "serve an OpenAI-compatible HTTP API"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-mlx", description="DFlash speculative decoding on MLX"
@@ -49,9 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-mlx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert a drafter to the dflash-mlx layout")
-    convert.add_arguments(p)
-    p.set_defaults(func=convert.run)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
     p = sub.add_parser("info", help="show MLX, BLAS, Metal and cache information")
     p.set_defaults(func=info)

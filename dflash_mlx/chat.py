@@ -1,0 +1,140 @@
+"""`dflash-mlx chat`: a multi-turn chat in the terminal, like `mlx_lm.chat`.
+
+The target cache, drafter cache and context features are kept across turns
+(`make_prompt_cache`): each turn renders the whole conversation with the chat
+template and only the tokens the caches do not hold yet are prefilled.
+
+Ctrl-C stops the answer at the end of the current verify cycle, where the
+caches are consistent; the partial answer stays in the conversation. A second
+Ctrl-C interrupts at once, and the caches are then rebuilt on the next turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from .generate import encode_prompt, make_prompt_cache, stream_generate
+from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .target import TargetAdapter
+
+HELP = """commands:
+  /reset   start a new conversation (the system message is kept)
+  /stats   totals for this conversation
+  /help    this help
+  /quit    exit (Ctrl-D also exits)
+Ctrl-C stops the current answer and keeps the conversation."""
+
+
+class Chat:
+    """A conversation: its messages, the caches holding them, and per-turn stats."""
+
+    def __init__(self, model, tokenizer, draft, kwargs: dict, system: str | None, reuse: bool):
+        self.model, self.tokenizer, self.draft = model, tokenizer, draft
+        self.kwargs, self.system, self.reuse = kwargs, system, reuse
+        self.max_context = TargetAdapter(model).max_context
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = make_prompt_cache(self.model, self.draft)
+        self.turns: list[ReplyStats] = []
+
+    def ask(self, text: str) -> None:
+        """Stream the answer to `text` to stdout, then its stats line."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = encode_prompt(self.tokenizer, chat_prompt(self.tokenizer, self.messages))
+        room = self.max_context - len(prompt) if self.max_context else self.kwargs["max_tokens"]
+        if room < 1:
+            self.messages.pop()
+            print(
+                f"[the conversation is {len(prompt)} tokens, the model's context holds "
+                f"{self.max_context}: /reset to start a new one]"
+            )
+            return
+        if not self.reuse:
+            self.cache = make_prompt_cache(self.model, self.draft)
+        new = len(prompt) - self.cache.reuse(prompt)
+        kwargs = {**self.kwargs, "max_tokens": min(self.kwargs["max_tokens"], room)}
+        stats = ReplyStats()
+        stop = []
+
+        def interrupt(*_) -> None:
+            stop.append(True)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        previous = signal.signal(signal.SIGINT, interrupt)
+        responses = stream_generate(
+            self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
+        )
+        try:
+            for response in responses:
+                stats.add(response)
+                print(response.text, end="", flush=True)
+                if stop:
+                    break
+        except KeyboardInterrupt:
+            stop.append(True)
+            self.cache = make_prompt_cache(self.model, self.draft)  # stopped mid-cycle
+        finally:
+            responses.close()
+            signal.signal(signal.SIGINT, previous)
+        self.messages.append({"role": "assistant", "content": stats.text})
+        self.turns.append(stats)
+        note = "interrupted; " if stop else ""
+        print(f"\n[{note}{stats.summary()} ({new} new)]", flush=True)
+
+    def totals(self) -> str:
+        tokens = sum(t.tokens for t in self.turns)
+        cycles = sum(t.cycles for t in self.turns)
+        committed = sum(t.tokens - 1 for t in self.turns if t.tokens)
+        accepted = sum(t.accepted for t in self.turns)
+        proposed = sum(t.proposed for t in self.turns)
+        return (
+            f"[{len(self.turns)} turns, {len(self.messages)} messages, {tokens} tokens generated, "
+            f"τ {committed / cycles if cycles else 0:.2f}, "
+            f"{accepted / proposed if proposed else 0:.0%} accepted, "
+            f"{len(self.cache.tokens)} tokens cached]"
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, max_tokens=512)
+    parser.add_argument("--system", help="system message")
+    parser.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="prefill the whole conversation every turn (to measure what the cache saves)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    model, tokenizer, draft = load_models(args)
+    chat = Chat(
+        model, tokenizer, draft, generation_kwargs(args), args.system, not args.no_prompt_cache
+    )
+    chat_prompt(tokenizer, [{"role": "user", "content": "check"}])  # fail now, not at turn 1
+    print("dflash-mlx chat: /help for commands, Ctrl-D to exit", flush=True)
+    while True:
+        try:
+            line = input(">> ").strip()
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /quit to exit)")
+            continue
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            chat.reset()
+            print("[new conversation]")
+        elif line == "/stats":
+            print(chat.totals())
+        elif line == "/help":
+            print(HELP)
+        elif line.startswith("/"):
+            print(f"unknown command {line.split()[0]}; /help lists them", file=sys.stderr)
+        elif line:
+            chat.ask(line)

@@ -1,0 +1,51 @@
+"""`dflash-mlx generate`: one prompt in, one reply out, like `mlx_lm.generate`.
+
+The reply streams to stdout and the stats go to stderr, so the output can be
+piped; `--json` prints one JSON object with the text and the stats instead.
+
+    echo "Why is the sky blue?" | dflash-mlx generate --model M --draft D
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .generate import stream_generate
+from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
+    parser.add_argument("--system", help="system message (with the chat template)")
+    parser.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default: on)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
+
+
+def run(args: argparse.Namespace) -> None:
+    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    if not prompt.strip():
+        raise ValueError("the prompt is empty (give --prompt or text on stdin)")
+    model, tokenizer, draft = load_models(args)
+    if args.chat_template:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = chat_prompt(tokenizer, [*messages, {"role": "user", "content": prompt}])
+    elif args.system:
+        raise ValueError("--system needs the chat template")
+    stats = ReplyStats()
+    for response in stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args)):
+        stats.add(response)
+        if not args.json:
+            print(response.text, end="", flush=True)
+    if args.json:
+        print(json.dumps({"text": stats.text, **stats.as_dict()}))
+    else:
+        print()
+        print(stats.summary(), file=sys.stderr)

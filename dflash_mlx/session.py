@@ -1,0 +1,144 @@
+"""What `generate`, `chat` and `serve` share: model flags, loading, chat prompts, reply stats.
+
+Kept apart from `cli.py` so the subcommand modules can import it without an
+import cycle through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .checkpoint import init_draft, load_draft
+from .draft import DFlashDraft
+from .generate import GenerationResponse
+from .target import load
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    """The flags every model-running subcommand takes, named as in mlx-lm."""
+    parser.add_argument("--model", required=True, help="target: mlx-lm directory or hub id")
+    parser.add_argument("--draft", help="DFlash drafter: directory or hub id")
+    parser.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="plain autoregressive decoding through the same loop (block size 1)",
+    )
+    parser.add_argument("--block-size", type=int, help="tokens per verify cycle (drafter's)")
+    parser.add_argument(
+        "--kernels", default="auto", choices=("auto", "metal", "reference"), help="drafter kernels"
+    )
+    parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, help="random seed for sampling")
+
+
+def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
+    """Target, tokenizer and drafter from the flags; `--no-draft` gets a never-called stand-in.
+
+    With block size 1 the loop never runs the drafter, but its API still takes
+    one, so a 1-layer random drafter shaped for the target fills the slot.
+    """
+    if args.draft is None and not args.no_draft:
+        raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
+    if args.max_tokens <= 0:
+        raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = load(args.model)
+    draft = (
+        init_draft(model, num_layers=1)
+        if args.no_draft
+        else load_draft(args.draft, kernels=args.kernels)
+    )
+    return model, tokenizer, draft
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`stream_generate` keyword arguments from the flags (all but the prompt and cache)."""
+    return dict(
+        block_size=1 if args.no_draft else args.block_size,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+    )
+
+
+def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict[str, str]]) -> str:
+    """The conversation rendered with the model's chat template, ready for the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@dataclass
+class ReplyStats:
+    """Counters over one reply's responses.
+
+    The first response carries the prefill's token, so τ (committed tokens per
+    verify cycle) counts the responses after it.
+    """
+
+    start: float = field(default_factory=time.perf_counter)
+    ttft: float = 0.0
+    cycles: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    text: str = ""
+    last: GenerationResponse | None = None
+
+    def add(self, response: GenerationResponse) -> None:
+        if self.last is None:
+            self.ttft = time.perf_counter() - self.start
+        else:
+            self.cycles += 1
+        self.accepted += response.accepted
+        self.proposed += response.proposed
+        self.text += response.text
+        self.last = response
+
+    @property
+    def tokens(self) -> int:
+        return self.last.generation_tokens if self.last else 0
+
+    @property
+    def tau(self) -> float:
+        return (self.tokens - 1) / self.cycles if self.cycles else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "prompt_tokens": last.prompt_tokens if last else 0,
+            "prompt_tps": last.prompt_tps if last else 0.0,
+            "generation_tokens": self.tokens,
+            "generation_tps": last.generation_tps if last else 0.0,
+            "ttft": self.ttft,
+            "cycles": self.cycles,
+            "tau": self.tau,
+            "accepted": self.accepted,
+            "proposed": self.proposed,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "peak_memory_gb": last.peak_memory if last else 0.0,
+            "finish_reason": last.finish_reason if last else None,
+        }
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (
+            f"{d['generation_tokens']} tokens, {d['generation_tps']:.1f} tok/s, "
+            f"τ {d['tau']:.2f}, {d['acceptance_rate']:.0%} accepted, "
+            f"TTFT {d['ttft'] * 1000:.0f} ms, prompt {d['prompt_tokens']} tokens"
+        )
