@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -37,6 +38,8 @@ from starlette.background import BackgroundTask
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
 from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
 from .target import TargetAdapter
+
+log = logging.getLogger(__name__)
 
 
 class Strict(BaseModel):
@@ -124,6 +127,7 @@ class Worker:
                 for response in responses:
                     put(response)
                     if stop.is_set():
+                        log.info("client gone: stopped after %d tokens", response.generation_tokens)
                         break
             finally:
                 responses.close()
@@ -323,4 +327,5 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
     worker = Worker(model, tokenizer, draft, generation_kwargs(args))
     app = create_app(worker, args.model)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
