@@ -1,0 +1,588 @@
+"""Benchmark DFlash against mlx-lm's own decoding, on the same target and prompts.
+
+python -m dflash_mlx.bench --limit 6 --max-tokens 64 --out bench.json --plot bench.png
+
+Per prompt, interleaved in one process: mlx-lm's `stream_generate` (the
+autoregressive baseline), then DFlash's, both timed from outside (the clean
+pass: all tok/s, TTFT and speedups come from it). Then an instrumented DFlash
+pass splits each verify cycle into drafter / verify / rollback / host time: the
+drafter, the target model and its caches get per-instance timing subclasses for
+that pass only, which force evaluation inside each timed call. Forcing
+serialises MLX's lazy pipeline, so that pass only splits a cycle; its
+throughput is not reported. Without `--draft` the drafter is randomly
+initialised: its acceptance is meaningless, its costs are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache as make_target_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .blas import active_blas
+from .checkpoint import init_draft, load_draft
+from .draft import DFlashDraft
+from .generate import (
+    GenerationResponse,
+    PromptCache,
+    encode_prompt,
+    make_prompt_cache,
+    stream_generate,
+)
+from .target import load
+
+PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
+PARTS = ("draft", "context", "verify", "rollback")
+PART_LABELS = {
+    "draft": "draft forward",
+    "context": "draft context append",
+    "verify": "verify forward",
+    "rollback": "rollback",
+    "host": "host (sampling, bookkeeping)",
+}
+VERIFY_REPS = 10
+NOTE = (
+    "tok/s, TTFT and speedups come from a clean pass (AR and DFlash interleaved per prompt); "
+    "the cycle split comes from a separate instrumented DFlash pass that forces evaluation "
+    "inside each timed call (so its cycles are slower than the clean pass's)."
+)
+
+
+def load_prompts(path: str | Path = PROMPTS_FILE) -> list[dict[str, str]]:
+    """Prompts from a JSON list of strings or of {"prompt", "id"?, "category"?} objects."""
+    items = json.loads(Path(path).read_text())
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: expected a non-empty JSON list of prompts")
+    prompts = []
+    for i, item in enumerate(items):
+        item = {"prompt": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise ValueError(f"{path}: item {i} is neither a string nor has a string 'prompt'")
+        prompts.append(
+            {
+                "id": str(item.get("id", f"p{i + 1:02d}")),
+                "category": str(item.get("category", "")),
+                "prompt": item["prompt"],
+            }
+        )
+    return prompts
+
+
+def render(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> list[int]:
+    """Token ids of `prompt`, as one user turn of the chat template when `chat`."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template: pass --no-chat-template")
+        messages = [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode_prompt(tokenizer, prompt)
+
+
+class Stopwatch:
+    """Seconds per part, accumulated between laps (one lap per verify cycle)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.laps: list[dict[str, float]] = []
+
+    def add(self, part: str, seconds: float) -> None:
+        self.current[part] += seconds
+
+    def lap(self) -> None:
+        self.laps.append(self.current)
+        self.current = dict.fromkeys(PARTS, 0.0)
+
+
+Sync = Callable[[Any, tuple, dict], None]
+
+
+def _eval_output(out: Any, args: tuple, kwargs: dict) -> None:
+    mx.eval(out)
+
+
+def _eval_cache(out: Any, args: tuple, kwargs: dict) -> None:
+    cache = args[1] if len(args) > 1 else kwargs["cache"]
+    mx.eval([c.state for c in cache])
+
+
+def _no_sync(out: Any, args: tuple, kwargs: dict) -> None:
+    pass
+
+
+@contextmanager
+def timed(obj: Any, watch: Stopwatch, methods: dict[str, tuple[str, Sync]]) -> Iterator[None]:
+    """Time `methods` ({name: (part, sync)}) of this one instance while the context is open.
+
+    The instance gets a subclass of its own class (its class is restored after),
+    so neither the loop nor any mlx-lm class knows about the bench.
+    """
+    cls = type(obj)
+
+    def wrap(name: str, part: str, sync: Sync) -> Callable:
+        def method(self, *args, **kwargs):
+            tic = time.perf_counter()
+            out = getattr(cls, name)(self, *args, **kwargs)
+            sync(out, args, kwargs)
+            watch.add(part, time.perf_counter() - tic)
+            return out
+
+        return method
+
+    body = {name: wrap(name, part, sync) for name, (part, sync) in methods.items()}
+    obj.__class__ = type(f"Timed{cls.__name__}", (cls,), body)
+    try:
+        yield
+    finally:
+        obj.__class__ = cls
+
+
+@dataclass
+class Run:
+    """One generation timed from the consumer's side (seconds since the call)."""
+
+    tokens: list[int] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)
+    cycles: list[tuple[int, int, int]] = field(default_factory=list)  # committed, acc., proposed
+    peak_memory: float = 0.0
+    text: str = ""
+
+
+def measure(generate: Callable[[], Iterable], watch: Stopwatch | None = None) -> Run:
+    """Consume one generation (mlx-lm's or DFlash's responses), stamping each response."""
+    run = Run()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    for r in generate():
+        run.stamps.append(time.perf_counter() - tic)
+        if watch is not None:
+            watch.lap()
+        new = r.tokens if isinstance(r, GenerationResponse) else [r.token]
+        if isinstance(r, GenerationResponse) and len(run.stamps) > 1:
+            run.cycles.append((len(new), r.accepted, r.proposed))
+        run.tokens += new
+        run.text += r.text
+        run.peak_memory = r.peak_memory
+    return run
+
+
+def throughput(runs: list[Run]) -> dict[str, float]:
+    """Decode tok/s (tokens after the first, over the time after it), end-to-end tok/s, TTFT."""
+    tokens = sum(len(r.tokens) for r in runs)
+    decode_time = sum(r.stamps[-1] - r.stamps[0] for r in runs)
+    return {
+        "generated_tokens": tokens,
+        "decode_tps": (tokens - len(runs)) / decode_time if decode_time > 0 else float("nan"),
+        "e2e_tps": tokens / sum(r.stamps[-1] for r in runs),
+        "ttft_s": statistics.mean(r.stamps[0] for r in runs),
+        "peak_memory_gb": max(r.peak_memory for r in runs),
+    }
+
+
+def acceptance(cycles: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """τ (committed tokens per cycle) and, per draft position k, the fraction of cycles
+    that proposed at least k tokens and had the first k accepted."""
+    depth = max((p for _, _, p in cycles), default=0)
+    rates = []
+    for k in range(1, depth + 1):
+        reached = [a for _, a, p in cycles if p >= k]
+        rates.append(sum(a >= k for a in reached) / len(reached))
+    return {
+        "cycles": len(cycles),
+        "tau": statistics.mean(c for c, _, _ in cycles) if cycles else float("nan"),
+        "per_position": rates,
+    }
+
+
+def cycle_split(run: Run, laps: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Seconds per part for each verify cycle; host = cycle time minus the timed parts."""
+    split = []
+    for k in range(1, len(run.stamps)):
+        parts = dict(laps[k])
+        parts["host"] = run.stamps[k] - run.stamps[k - 1] - sum(parts.values())
+        split.append(parts)
+    return split
+
+
+def mean_split_ms(cycles: list[dict[str, float]]) -> dict[str, float]:
+    keys = (*PARTS, "host")
+    means = {k: 1e3 * statistics.mean(c[k] for c in cycles) if cycles else 0.0 for k in keys}
+    return {**means, "cycle": sum(means.values())}
+
+
+def divergence(
+    model: nn.Module, prompt: list[int], ar: list[int], dflash: list[int]
+) -> dict[str, Any] | None:
+    """Where DFlash's tokens first leave AR's, and the target's top-2 logit gap there."""
+    if ar == dflash:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(ar, dflash)) if a != b), min(len(ar), len(dflash)))
+    logits = model(mx.array(prompt + ar[:i])[None])[0, -1].astype(mx.float32)
+    top = mx.argsort(-logits)[:2]
+    first, second = top.tolist()
+    return {
+        "index": i,
+        "ar_token": ar[i] if i < len(ar) else None,
+        "dflash_token": dflash[i] if i < len(dflash) else None,
+        "top2": [first, second],
+        "top2_gap": (logits[first] - logits[second]).item(),
+    }
+
+
+def verify_cost(
+    model: nn.Module, context: list[int], sizes: list[int], reps: int = VERIFY_REPS
+) -> dict[str, float]:
+    """Median ms of one target forward over `n` new positions after `context`, per n."""
+    cache = make_target_cache(model)
+    mx.eval(model(mx.array(context)[None], cache=cache))
+    costs = {}
+    for n in sizes:
+        x = mx.array((context * n)[:n])[None]
+        times = []
+        for _ in range(reps + 1):
+            tic = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - tic)
+            for c in cache:
+                c.trim(n)
+        costs[str(n)] = 1e3 * statistics.median(times[1:])
+    return costs
+
+
+def instrumented(
+    model: nn.Module, draft: DFlashDraft, generate: Callable[[PromptCache], Callable]
+) -> tuple[Run, Stopwatch]:
+    """One DFlash generation with the drafter, target and target caches timed per call."""
+    watch = Stopwatch()
+    cache = make_prompt_cache(model, draft)
+    with ExitStack() as stack:
+        stack.enter_context(
+            timed(
+                draft,
+                watch,
+                {
+                    "draft_logits": ("draft", _eval_output),
+                    "append_context": ("context", _eval_cache),
+                },
+            )
+        )
+        stack.enter_context(timed(model, watch, {"__call__": ("verify", _eval_output)}))
+        for c in cache.target:
+            stack.enter_context(timed(c, watch, {"trim": ("rollback", _no_sync)}))
+        run = measure(generate(cache), watch)
+    return run, watch
+
+
+def bench(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    draft: DFlashDraft,
+    prompts: list[dict[str, str]],
+    *,
+    block_size: int | None = None,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    repeat: int = 1,
+    baseline: bool = True,
+    split: bool = True,
+    chat: bool = True,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Run the interleaved benchmark; the JSON-ready results (config left to the caller)."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    block_size = block_size or draft.config.block_size
+    sampler = make_sampler(temperature)
+
+    def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
+        return lambda: mlx_lm.stream_generate(
+            model, tokenizer, mx.array(ids), max_tokens=n, sampler=sampler
+        )
+
+    def dflash(ids: list[int], n: int, cache: Any = None) -> Callable[[], Iterable]:
+        return lambda: stream_generate(
+            model, draft, tokenizer, ids, block_size, n, temperature, prompt_cache=cache
+        )
+
+    encoded = [render(tokenizer, p["prompt"], chat) for p in prompts]
+    warm = min(max_tokens, 2 * block_size)
+    for make in ([ar] if baseline else []) + [dflash]:
+        measure(make(encoded[0], warm))
+
+    records, all_ar, all_df, all_cycles, all_split = [], [], [], [], []
+    for p, ids in zip(prompts, encoded):
+        log(f"{p['id']}: {len(ids)} prompt tokens")
+        ar_runs, df_runs = [], []
+        for _ in range(repeat):
+            if baseline:
+                mx.random.seed(seed)
+                ar_runs.append(measure(ar(ids, max_tokens)))
+            mx.random.seed(seed)
+            df_runs.append(measure(dflash(ids, max_tokens)))
+        cycles = [c for r in df_runs for c in r.cycles]
+        record: dict[str, Any] = {
+            **p,
+            "prompt_tokens": len(ids),
+            "dflash": throughput(df_runs),
+            "acceptance": acceptance(cycles),
+            "dflash_text": df_runs[0].text,
+        }
+        if baseline:
+            record["ar"] = throughput(ar_runs)
+            record["speedup_decode"] = record["dflash"]["decode_tps"] / record["ar"]["decode_tps"]
+            record["speedup_e2e"] = record["dflash"]["e2e_tps"] / record["ar"]["e2e_tps"]
+            pair = next(((a, d) for a, d in zip(ar_runs, df_runs) if a.tokens != d.tokens), None)
+            record["identical"] = pair is None
+            record["divergence"] = pair and divergence(model, ids, pair[0].tokens, pair[1].tokens)
+        if split:
+            mx.random.seed(seed)
+            run, watch = instrumented(model, draft, partial(dflash, ids, max_tokens))
+            record["split_ms"] = mean_split_ms(cycle_split(run, watch.laps))
+            all_split += cycle_split(run, watch.laps)
+        records.append(record)
+        all_ar += ar_runs
+        all_df += df_runs
+        all_cycles += cycles
+
+    overall: dict[str, Any] = {"dflash": throughput(all_df), "acceptance": acceptance(all_cycles)}
+    if baseline:
+        overall["ar"] = throughput(all_ar)
+        overall["speedup_decode"] = overall["dflash"]["decode_tps"] / overall["ar"]["decode_tps"]
+        overall["speedup_e2e"] = overall["dflash"]["e2e_tps"] / overall["ar"]["e2e_tps"]
+        overall["identical"] = sum(r["identical"] for r in records)
+        overall["prompts"] = len(records)
+    if split:
+        overall["split_ms"] = mean_split_ms(all_split)
+    sizes = sorted({1, max(1, block_size // 2), block_size})
+    return {
+        "verify_cost_ms": verify_cost(model, encoded[0], sizes),
+        "prompts": records,
+        "overall": overall,
+    }
+
+
+def report(results: dict[str, Any]) -> None:
+    """Print the results as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    cfg, overall = results["config"], results["overall"]
+    console.print(
+        f"[bold]target[/] {cfg['model']}  [bold]drafter[/] {cfg['draft']}  "
+        f"[bold]block[/] {cfg['block_size']}  [bold]max tokens[/] {cfg['max_tokens']}  "
+        f"[bold]temp[/] {cfg['temperature']}  [bold]repeat[/] {cfg['repeat']}"
+    )
+    console.print(f"[dim]{results['note']}[/]")
+    baseline = "ar" in overall
+    table = Table(title="Per prompt (decode tok/s after the first token | end-to-end tok/s)")
+    for name in ("prompt", "in", "out", "AR tok/s", "DFlash tok/s", "speedup", "τ", "TTFT ms"):
+        table.add_column(name, justify="left" if name == "prompt" else "right")
+    if baseline:
+        table.add_column("identical to AR")
+
+    def row(name: str, r: dict[str, Any], prompt_tokens: str, end: bool = False) -> None:
+        df = r["dflash"]
+        cells = [name, prompt_tokens, str(df["generated_tokens"])]
+        if baseline:
+            cells.append(f"{r['ar']['decode_tps']:.1f} | {r['ar']['e2e_tps']:.1f}")
+        else:
+            cells.append("-")
+        cells.append(f"{df['decode_tps']:.1f} | {df['e2e_tps']:.1f}")
+        if baseline:
+            cells.append(f"{r['speedup_decode']:.2f}x | {r['speedup_e2e']:.2f}x")
+        else:
+            cells.append("-")
+        cells.append(f"{r['acceptance']['tau']:.2f}")
+        ttft = f"{1e3 * df['ttft_s']:.0f}"
+        cells.append(f"{1e3 * r['ar']['ttft_s']:.0f} | {ttft}" if baseline else ttft)
+        if baseline:
+            cells.append(identical_cell(r))
+        table.add_row(*cells, end_section=end)
+
+    for r in results["prompts"]:
+        row(r["id"], r, str(r["prompt_tokens"]))
+    table.add_section()
+    row("overall", overall, "")
+    console.print(table)
+
+    rates = overall["acceptance"]["per_position"]
+    console.print(
+        "Acceptance per draft position: "
+        + "  ".join(f"{k}:{rate:.2f}" for k, rate in enumerate(rates, 1))
+    )
+    console.print(f"Peak memory: {overall['dflash']['peak_memory_gb']:.3f} GB (DFlash)")
+    if "split_ms" in overall:
+        split = Table(title="DFlash cycle split (instrumented pass, forced evaluation)")
+        split.add_column("part")
+        split.add_column("ms / cycle", justify="right")
+        split.add_column("share", justify="right")
+        total = overall["split_ms"]["cycle"]
+        for key, label in PART_LABELS.items():
+            ms = overall["split_ms"][key]
+            split.add_row(label, f"{ms:.2f}", f"{ms / total:.0%}")
+        split.add_row("cycle", f"{total:.2f}", "100%")
+        console.print(split)
+    verify = Table(title="Target forward over n new positions (verify cost)")
+    verify.add_column("n", justify="right")
+    verify.add_column("ms", justify="right")
+    verify.add_column("ms / position", justify="right")
+    for n, ms in results["verify_cost_ms"].items():
+        verify.add_row(n, f"{ms:.2f}", f"{ms / int(n):.2f}")
+    console.print(verify)
+
+
+def identical_cell(r: dict[str, Any]) -> str:
+    if "prompts" in r:
+        return f"{r['identical']}/{r['prompts']}"
+    if r["identical"]:
+        return "yes"
+    d = r["divergence"]
+    return f"no: token {d['index']}, top-2 gap {d['top2_gap']:.3g}"
+
+
+def plot(results: dict[str, Any], path: str | Path) -> None:
+    """PNG: acceptance rate per draft position; speedup per prompt (with a baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    overall, records = results["overall"], results["prompts"]
+    baseline = "ar" in overall
+    fig, axes = plt.subplots(1, 2 if baseline else 1, figsize=(12 if baseline else 6, 4))
+    axes = list(axes) if baseline else [axes]
+    rates = overall["acceptance"]["per_position"]
+    axes[0].bar(range(1, len(rates) + 1), rates)
+    axes[0].set(
+        title=f"Acceptance per draft position (τ = {overall['acceptance']['tau']:.2f})",
+        xlabel="draft position",
+        ylabel="rate",
+        ylim=(0, 1),
+    )
+    if baseline:
+        axes[1].bar([r["id"] for r in records], [r["speedup_decode"] for r in records])
+        axes[1].axhline(1.0, color="grey", linewidth=1)
+        axes[1].set(
+            title=f"Decode speedup over mlx-lm (overall {overall['speedup_decode']:.2f}x)",
+            ylabel="DFlash / AR decode tok/s",
+        )
+        axes[1].tick_params(axis="x", rotation=90)
+    fig.suptitle(f"{results['config']['model']} | {results['config']['draft']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="target model dir or hub id (default: SmolLM2-135M)")
+    parser.add_argument("--draft", help="drafter dir or hub id (default: a random drafter)")
+    parser.add_argument(
+        "--draft-layers", type=int, default=1, help="layers of the random drafter (no --draft)"
+    )
+    parser.add_argument("--block-size", type=int, help="default: the drafter's (16 if random)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per prompt and system")
+    parser.add_argument("--prompts", help="JSON prompt list (default: the built-in suite)")
+    parser.add_argument("--limit", type=int, help="use only the first N prompts")
+    parser.add_argument("--no-chat-template", action="store_true", help="use prompts raw")
+    parser.add_argument("--no-baseline", action="store_true", help="skip mlx-lm's decoding")
+    parser.add_argument("--no-split", action="store_true", help="skip the instrumented pass")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
+    parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot file")
+
+
+def run(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "repeat", "draft_layers", "block_size", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    prompts = load_prompts(args.prompts or PROMPTS_FILE)[: args.limit]
+    if args.model is None:
+        from .gguf import smollm2_model_dir
+
+        args.model = str(smollm2_model_dir())
+    model, tokenizer = load(args.model)
+    if args.draft:
+        draft, draft_label = load_draft(args.draft), args.draft
+    else:
+        draft = init_draft(model, num_layers=args.draft_layers, block_size=args.block_size or 16)
+        draft_label = f"random drafter ({args.draft_layers} layers)"
+    print(f"bench: {len(prompts)} prompts, target {args.model}, {draft_label}", file=sys.stderr)
+    results = bench(
+        model,
+        tokenizer,
+        draft,
+        prompts,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        repeat=args.repeat,
+        baseline=not args.no_baseline,
+        split=not args.no_split,
+        chat=not args.no_chat_template,
+        seed=args.seed,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
+    results = {
+        "config": {
+            "model": args.model,
+            "draft": draft_label,
+            "random_draft": args.draft is None,
+            "block_size": args.block_size or draft.config.block_size,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temp,
+            "repeat": args.repeat,
+            "chat_template": not args.no_chat_template,
+            "prompts": str(args.prompts or PROMPTS_FILE),
+            "command": " ".join(sys.argv),
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "device": str(mx.default_device()),
+            "blas": active_blas(),
+            "platform": f"{platform.system()} {platform.machine()}",
+        },
+        "note": NOTE,
+        **results,
+    }
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    report(results)
+    plot(results, args.plot)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_mlx.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dflash-mlx bench: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The bench: end to end through its command line, and its measurements against known answers."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from helpers import reference_greedy
+from test_generate import OracleDraft
+
+from dflash_mlx import bench
+
+PROMPTS = [
+    {"id": "code", "category": "coding", "prompt": "def add(a, b):"},
+    {"id": "math", "category": "math", "prompt": "How many positive divisors does 196 have?"},
+    "The quick brown fox",
+]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dflash_mlx.bench", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_bench_end_to_end(make_pair, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    prompts = tmp_path / "small.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out, png = tmp_path / "x.json", tmp_path / "x.png"
+    args = ["--model", str(target), "--draft", str(draft), "--max-tokens", "24"]
+    proc = run_cli(*args, "--prompts", str(prompts), "--out", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+
+    assert results["config"]["block_size"] == 16 and not results["config"]["random_draft"]
+    assert [r["id"] for r in results["prompts"]] == ["code", "math", "p03"]
+    assert set(results["verify_cost_ms"]) == {"1", "8", "16"}
+    for r in [*results["prompts"], results["overall"]]:
+        for system in ("ar", "dflash"):
+            assert r[system]["decode_tps"] > 0 and r[system]["e2e_tps"] > 0
+            assert r[system]["ttft_s"] > 0 and r[system]["peak_memory_gb"] > 0
+        assert r["speedup_decode"] == pytest.approx(
+            r["dflash"]["decode_tps"] / r["ar"]["decode_tps"]
+        )
+        rates = r["acceptance"]["per_position"]
+        assert 1 <= len(rates) <= 15 and all(0 <= x <= 1 for x in rates)
+        assert 1 <= r["acceptance"]["tau"] <= 16
+        split = r["split_ms"]
+        assert split["verify"] > 0 and split["draft"] > 0 and split["rollback"] >= 0
+        assert split["cycle"] == pytest.approx(sum(split[k] for k in (*bench.PARTS, "host")))
+    for r in results["prompts"]:
+        assert r["dflash"]["generated_tokens"] == r["ar"]["generated_tokens"]
+        assert r["identical"] is True and r["divergence"] is None
+    assert results["overall"]["identical"] == 3
+    assert len(results["overall"]["acceptance"]["per_position"]) == 15
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "overall" in proc.stdout and "verify forward" in proc.stdout
+
+
+def test_bench_rejects_bad_options_cleanly(tmp_path):
+    proc = run_cli("--max-tokens", "0", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "dflash-mlx bench: error: --max-tokens must be at least 1, got 0"
+
+
+def test_acceptance_per_position_known_pattern():
+    # (committed, accepted, proposed) per cycle; the last cycle was cut short by max_tokens.
+    cycles = [(4, 3, 4), (1, 0, 4), (5, 4, 4), (2, 1, 2)]
+    stats = bench.acceptance(cycles)
+    assert stats["tau"] == 3.0
+    assert stats["per_position"] == [3 / 4, 2 / 4, 2 / 3, 1 / 3]
+
+
+def test_oracle_drafter_is_fully_accepted_and_instances_restored(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = {"id": "p", "category": "", "prompt": "def add(a, b):"}
+    ids = bench.render(tokenizer, prompt["prompt"], chat=True)
+    expected = reference_greedy(model, ids, 40, set(tokenizer.eos_token_ids))
+    oracle = OracleDraft(draft, ids + expected)
+    classes = type(model), type(oracle)
+    results = bench.bench(model, tokenizer, oracle, [prompt], block_size=8, max_tokens=40)
+
+    (r,) = results["prompts"]
+    assert r["identical"] and r["dflash"]["generated_tokens"] == len(expected)
+    assert r["acceptance"]["per_position"] == [1.0] * 7
+    cycles = math.ceil((len(expected) - 1) / 8)
+    assert r["acceptance"]["tau"] == pytest.approx((len(expected) - 1) / cycles)
+    assert (type(model), type(oracle)) == classes
+
+
+def test_divergence_reports_first_index_and_top2_gap(loaded):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    ids = bench.render(tokenizer, "The quick brown fox", chat=False)
+    ar = reference_greedy(model, ids, 8, set())
+    other = (ar[3] + 1) % 300
+    d = bench.divergence(model, ids, ar, ar[:3] + [other] + ar[4:])
+    assert d["index"] == 3 and d["ar_token"] == ar[3] and d["dflash_token"] == other
+    assert d["top2"][0] == ar[3] and d["top2_gap"] >= 0
+    assert bench.divergence(model, ids, ar, list(ar)) is None
+    assert bench.divergence(model, ids, ar, ar[:5])["index"] == 5
