@@ -8,12 +8,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
-from helpers import reference_greedy
-
-from dflash_mlx.session import chat_prompt
-
-openai = pytest.importorskip("openai")
+from test_cli import greedy_text
 
 PROMPTS = [
     "How many apples?",
@@ -84,23 +81,6 @@ def client(server):
     )
 
 
-def expected_reply(loaded, prompt: str, max_tokens: int, chat: bool = True) -> tuple[str, int]:
-    """Text and token count of mlx-lm's own greedy decode of the same request."""
-    model, tokenizer, _ = loaded("llama-tied-gqa")
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
-    tokens = reference_greedy(model, tokenizer.encode(text), max_tokens, set())
-    eos = set(tokenizer.eos_token_ids)
-    if eos & set(tokens):
-        tokens = tokens[: min(tokens.index(t) for t in eos & set(tokens)) + 1]
-    detokenizer = tokenizer.detokenizer  # streaming decode, as the server's text is
-    detokenizer.reset()
-    for t in tokens:
-        if t not in eos:
-            detokenizer.add_token(t)
-    detokenizer.finalize()
-    return detokenizer.text, len(tokens)
-
-
 def chat(client, prompt: str, max_tokens: int = 16, **kwargs):
     messages = [{"role": "user", "content": prompt}]
     return client.chat.completions.create(
@@ -117,7 +97,7 @@ def test_health_models_and_local_bind(server, client):
 
 def test_chat_and_text_completions_equal_greedy_decoding(client, loaded):
     reply = chat(client, PROMPTS[0], max_tokens=20)
-    text, n = expected_reply(loaded, PROMPTS[0], 20)
+    text, n = greedy_text(loaded, PROMPTS[0], 20)
     assert reply.choices[0].message.content == text
     assert reply.usage.completion_tokens == n
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -126,7 +106,7 @@ def test_chat_and_text_completions_equal_greedy_decoding(client, loaded):
     assert stats["proposed"] > 0 and stats["tau"] >= 1
 
     completion = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=12)
-    text, n = expected_reply(loaded, PROMPTS[1], 12, chat=False)
+    text, n = greedy_text(loaded, PROMPTS[1], 12, chat=False)
     assert completion.choices[0].text == text
     assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens == n
 

@@ -1,0 +1,183 @@
+"""`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty."""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+import pexpect
+import pytest
+from helpers import reference_greedy
+
+from dflash_mlx import cli
+from dflash_mlx.chat import Chat
+from dflash_mlx.session import chat_prompt
+
+TIMEOUT = 90
+STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"
+
+
+def greedy_text(loaded, prompt: str, max_tokens: int, chat: bool = True) -> tuple[str, int]:
+    """Text and token count of mlx-lm's own greedy decode of `prompt`, as streamed text."""
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
+    tokens = reference_greedy(model, tokenizer.encode(text), max_tokens, set())
+    eos = set(tokenizer.eos_token_ids)
+    if eos & set(tokens):
+        tokens = tokens[: min(tokens.index(t) for t in eos & set(tokens)) + 1]
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for t in tokens:
+        if t not in eos:
+            detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text, len(tokens)
+
+
+def dflash(command: str, stdin: str = "") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dflash_mlx", *shlex.split(command)]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_generate_json_from_stdin_equals_greedy(make_pair, loaded):
+    target, draft = make_pair("llama-tied-gqa")
+    out = dflash(f"generate --model {target} --draft {draft} --json -m 16", "How many apples?")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    text, n = greedy_text(loaded, "How many apples?", 16)
+    assert result["text"] == text and result["generation_tokens"] == n
+    assert result["proposed"] > 0 and result["tau"] >= 1 and result["ttft"] > 0
+
+
+def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_pair, loaded):
+    target, _ = make_pair("llama-tied-gqa")
+    out = dflash(f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12")
+    assert out.returncode == 0, out.stderr
+    text, n = greedy_text(loaded, "Alice has", 12, chat=False)
+    assert out.stdout == text + "\n"
+    assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
+
+
+def test_unreachable_hub_model_is_a_clear_error(make_pair):
+    _, draft = make_pair("llama-tied-gqa")
+    out = dflash(f"generate --model no-such-org/no-such-model --draft {draft} -p x")
+    assert out.returncode == 1
+    assert "could not fetch target model 'no-such-org/no-such-model'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
+    target, _ = make_pair("llama-tied-gqa")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--model", str(target), "-p", "x"])
+    assert exit_info.value.code == 1
+    assert "--draft is required (or pass --no-draft" in capsys.readouterr().err
+    cli.main(["info"])
+    out = capsys.readouterr().out
+    for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
+        assert key in out
+
+
+def spawn_chat(make_pair, *flags: str):
+    target, draft = make_pair("llama-tied-gqa")
+    args = ["-m", "dflash_mlx", "chat", "--model", str(target), "--draft", str(draft), *flags]
+    child = pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=TIMEOUT)
+    child.expect("Ctrl-D to exit")
+    child.expect(">> ")
+    return child
+
+
+def turn(child, text: str) -> tuple[bool, int, int, int]:
+    """(interrupted, tokens, prompt tokens, newly prefilled tokens) of the answer to `text`."""
+    child.sendline(text)
+    child.expect(STATS)
+    interrupted, tokens, prompt, new = child.match.groups()
+    child.expect(">> ")
+    return bool(interrupted), int(tokens), int(prompt), int(new)
+
+
+def test_chat_two_turns_stats_reset_and_exit(make_pair):
+    child = spawn_chat(make_pair, "-m", "8", "--system", "Be brief.")
+    first = turn(child, "How many apples?")
+    assert not first[0] and first[1] <= 8 and first[3] == first[2]  # all new
+    second = turn(child, "Alice has 3 apples")
+    assert second[2] > first[2] + first[1] and 0 < second[3] < second[2]  # only the new part
+    child.sendline("/stats")
+    child.expect(r"\[2 turns, 5 messages, \d+ tokens generated")
+    child.sendline("/reset")
+    child.expect(r"\[new conversation\]")
+    child.sendline("/stats")
+    child.expect(r"\[0 turns, 1 messages, 0 tokens generated, [^\]]*, 0 tokens cached\]")
+    assert turn(child, "How many apples?") == first  # a fresh start answers the same
+    child.sendline("/help")
+    child.expect("/quit")
+    child.expect(">> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(make_pair):
+    child = spawn_chat(make_pair, "-m", "3000", "--block-size", "4")
+    child.sendline("hello")  # greedy: over 1,500 tokens on this model
+    child.expect("hello\r\n")
+    child.expect(".")  # the answer has started
+    child.sendintr()
+    child.expect(STATS)
+    assert child.match.group(1) == "interrupted; " and int(child.match.group(2)) < 3000
+    first_prompt = int(child.match.group(3))
+    child.expect(">> ")
+    child.sendline("/stats")
+    child.expect(r"\[1 turns, 2 messages")
+    child.sendline("How many apples?")
+    child.expect("apples\\?\r\n")
+    child.expect(".")
+    child.sendintr()
+    child.expect(STATS)
+    prompt, new = int(child.match.group(3)), int(child.match.group(4))
+    assert prompt > first_prompt and new < prompt  # the partial answer is in the history
+    child.expect(">> ")
+    child.sendintr()  # at the prompt: a hint, not an exit
+    child.expect("Ctrl-D or /quit to exit")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    chat = Chat(model, tokenizer, draft, {"max_tokens": 12}, "Be brief.", reuse)
+    for text in ("How many apples?", "Alice has 3 apples", "def add(a, b):"):
+        chat.ask(text)
+    new = [int(n) for n in re.findall(r"\((\d+) new\)", capsys.readouterr().out)]
+    return chat.messages, new
+
+
+def test_chat_prompt_cache_is_lossless_and_prefills_less(loaded, capsys):
+    cached, cached_new = chat_session(loaded, True, capsys)
+    fresh, fresh_new = chat_session(loaded, False, capsys)
+    assert cached == fresh
+    assert cached_new[0] == fresh_new[0]
+    assert all(c < f for c, f in zip(cached_new[1:], fresh_new[1:], strict=True))
+
+
+def test_chat_overlong_conversation_is_a_message_not_a_crash(make_pair, workdir, capsys):
+    import dflash_mlx
+
+    target, draft_dir = make_pair("llama-tied-gqa")
+    small = workdir / "small-context"
+    small.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        (small / f.name).write_bytes(f.read_bytes())
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    model, tokenizer = dflash_mlx.load(small)
+    chat = Chat(model, tokenizer, dflash_mlx.load_draft(draft_dir), {"max_tokens": 500}, None, True)
+    chat.ask("hello")  # the answer is cut at the context's end
+    assert chat.turns[-1].tokens + chat.turns[-1].last.prompt_tokens <= 64
+    chat.ask("How many apples? " * 4)
+    assert "the model's context holds 64: /reset to start a new one" in capsys.readouterr().out
+    assert len(chat.messages) == 2
