@@ -109,7 +109,7 @@ class Stopwatch:
         self.current = dict.fromkeys(PARTS, 0.0)
 
 
-Sync = Callable[[Any, tuple, dict], None]
+Sync = Callable[[Any, tuple, dict], None]  # forces a timed call's work: (output, args, kwargs)
 
 
 def _eval_output(out: Any, args: tuple, kwargs: dict) -> None:
@@ -117,12 +117,13 @@ def _eval_output(out: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _eval_cache(out: Any, args: tuple, kwargs: dict) -> None:
+    """`append_context` returns nothing: its work is the K/V it writes to the cache."""
     cache = args[1] if len(args) > 1 else kwargs["cache"]
     mx.eval([c.state for c in cache])
 
 
 def _no_sync(out: Any, args: tuple, kwargs: dict) -> None:
-    pass
+    """A cache `trim` only moves an offset: nothing lazy to force."""
 
 
 @contextmanager
