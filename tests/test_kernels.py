@@ -1,5 +1,7 @@
 """Reference block attention and backend selection (no Metal, no compiler needed)."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
@@ -132,3 +134,15 @@ def test_metal_kernel_on_gpu(s, gqa, head_dim, block_len, dtype, tol):
     want = sdpa_on_concat(*[a.astype(mx.float32) for a in args], scale=head_dim**-0.5)
     assert got.dtype == dtype
     assert mx.abs(got.astype(mx.float32) - want).max().item() < tol
+
+
+def test_kernel_sources_are_package_data():
+    """The wheel ships every file load_sources reads (pyproject's package-data globs)."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["dflash_mlx.kernels"]
+    package_dir = Path(metal.__file__).parent
+    shipped = {p.relative_to(package_dir) for g in globs for p in package_dir.glob(g)}
+    needed = {(metal.SOURCE_DIR / n).relative_to(package_dir) for n in metal.SOURCE_FILES}
+    assert needed <= shipped
+    assert all("dflash" in source for source in metal.load_sources())

@@ -9,6 +9,7 @@ from .reference import reference_attention
 
 # Package data; in a source checkout this is a link to the top-level metal/.
 SOURCE_DIR = Path(__file__).parent / "metal"
+SOURCE_FILES = ("block_attention.h", "block_attention.metal")  # (header, body)
 THREADS = 256
 INPUT_NAMES = ("q", "kc", "vc", "kb", "vb", "n_ctx", "scale")
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -22,8 +23,7 @@ kernel_factory = mx.fast.metal_kernel
 
 def load_sources() -> tuple[str, str]:
     """The (header, body) pair handed to mx.fast.metal_kernel."""
-    header = (SOURCE_DIR / "block_attention.h").read_text()
-    body = (SOURCE_DIR / "block_attention.metal").read_text()
+    header, body = ((SOURCE_DIR / name).read_text() for name in SOURCE_FILES)
     return header, body
 
 

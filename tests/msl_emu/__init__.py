@@ -1,4 +1,4 @@
-"""Run kernel bodies written for mx.fast.metal_kernel on the CPU (see README.md)."""
+"""Run kernel bodies written for mx.fast.metal_kernel on the CPU (see metal/README.md)."""
 
 from .emulator import (
     CompileError,

@@ -1,10 +1,11 @@
-// CPU runtime for emulated Metal compute dispatches (see tests/msl_emu/README.md).
+// CPU runtime for emulated Metal compute dispatches (see metal/README.md).
 //
 // Every threadgroup runs on one OS thread, each of its threads as a ucontext
 // fiber. Fibers switch only at threadgroup_barrier and at simdgroup functions,
-// so a run is deterministic; a barrier releases when every thread of the
-// threadgroup reached it, a simdgroup function when every lane of the
-// simdgroup did. Anything else (a thread that returned, lanes in different
+// and are resumed in a seeded shuffled order, so a run is deterministic yet a
+// missing barrier shows up as stale reads. A barrier releases when every
+// thread of the threadgroup reached it, a simdgroup function when every lane
+// of the simdgroup did. Anything else (a thread that returned, lanes in different
 // simdgroup functions) is divergence and aborts the run with a message.
 #pragma once
 
@@ -14,6 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -208,10 +211,16 @@ inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t tg) 
     s.arrived = 0;
   }
   g.barrier_arrived = 0;
+  // Resume runnable threads in a fresh pseudo-random order every pass (seeded by
+  // the threadgroup, so runs repeat): a missing barrier then shows as stale reads.
+  std::vector<unsigned> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::mt19937 rng(tg_pos.x + 7919u * (tg_pos.y + 7919u * tg_pos.z));
   unsigned done = 0;
   while (done < n) {
     bool ran = false;
-    for (unsigned tid = 0; tid < n; ++tid) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (unsigned tid : order) {
       if (g.fibers[tid].state == State::kRunnable) {
         g.current = tid;
         swapcontext(&g.scheduler, &g.fibers[tid].ctx);

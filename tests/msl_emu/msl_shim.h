@@ -1,5 +1,5 @@
 // The subset of the Metal Shading Language that metal/*.metal uses, as C++
-// for clang (see tests/msl_emu/README.md for what is and is not covered).
+// for clang (see metal/README.md for what is and is not covered).
 #pragma once
 
 #include <algorithm>
