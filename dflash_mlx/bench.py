@@ -37,7 +37,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .blas import active_blas
 from .checkpoint import init_draft, load_draft
-from .draft import DFlashDraft
+from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import (
     GenerationResponse,
     PromptCache,
@@ -506,6 +506,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="use prompts raw")
     parser.add_argument("--no-baseline", action="store_true", help="skip mlx-lm's decoding")
     parser.add_argument("--no-split", action="store_true", help="skip the instrumented pass")
+    parser.add_argument(
+        "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter block attention"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
     parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot file")
@@ -523,9 +526,14 @@ def run(args: argparse.Namespace) -> None:
         args.model = str(smollm2_model_dir())
     model, tokenizer = load(args.model)
     if args.draft:
-        draft, draft_label = load_draft(args.draft), args.draft
+        draft, draft_label = load_draft(args.draft, kernels=args.kernels), args.draft
     else:
-        draft = init_draft(model, num_layers=args.draft_layers, block_size=args.block_size or 16)
+        draft = init_draft(
+            model,
+            num_layers=args.draft_layers,
+            block_size=args.block_size or 16,
+            kernels=args.kernels,
+        )
         draft_label = f"random drafter ({args.draft_layers} layers)"
     print(f"bench: {len(prompts)} prompts, target {args.model}, {draft_label}", file=sys.stderr)
     results = bench(

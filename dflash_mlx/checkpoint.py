@@ -129,6 +129,7 @@ def init_draft(
     block_size: int = 16,
     mask_token_id: int | None = None,
     seed: int = 0,
+    kernels: str = "auto",
 ) -> DFlashDraft:
     """A randomly initialised drafter shaped for `model` (for training or cost measurements).
 
@@ -162,7 +163,7 @@ def init_draft(
         }
     )
     mx.random.seed(seed)
-    draft = DFlashDraft(config)
+    draft = DFlashDraft(config, kernels)
     draft.set_dtype(default_dtype() or mx.bfloat16)
     mx.eval(draft.parameters())
     return draft

@@ -7,18 +7,12 @@ subcommand is one line there.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
-from pathlib import Path
 
-from . import __version__, chat, convert, oneshot, server
+from . import __version__, bench, chat, convert, oneshot, server
 from .blas import active_blas
-
-
-def cache_root() -> Path:
-    """Where dflash-mlx keeps imported models and fetched files."""
-    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+from .gguf import cache_dir
 
 
 def info(_: argparse.Namespace) -> None:
@@ -38,7 +32,7 @@ def info(_: argparse.Namespace) -> None:
         ("metal available", str(mx.metal.is_available())),
         ("BLAS", active_blas()),
         ("block-attention kernels", active_backend()),
-        ("dflash-mlx cache", str(cache_root())),
+        ("dflash-mlx cache", str(cache_dir())),
         ("hugging face cache", str(HF_HUB_CACHE)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -51,6 +45,7 @@ COMMANDS = {
     "generate": (oneshot, "generate a reply to one prompt"),
     "chat": (chat, "chat with a model in the terminal"),
     "serve": (server, "serve an OpenAI-compatible HTTP API"),
+    "bench": (bench, "benchmark DFlash against mlx-lm's own decoding"),
 }
 
 
