@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import DFlashDraft
+from .rollback import trim_caches
 from .target import TargetAdapter
 
 PREFILL_STEP = 2048
@@ -75,14 +76,16 @@ class PromptCache:
     tokens: list[int] = field(default_factory=list)
 
     def reuse(self, prompt: list[int]) -> int:
-        """Trim both caches to the longest prefix shared with `prompt`; return its length."""
+        """Trim both caches to the longest prefix shared with `prompt`; return its length.
+
+        The length is 0 (a full prefill) when a recurrent or sliding-window cache
+        cannot go back that far.
+        """
         shared = 0
         limit = min(len(self.tokens), len(prompt) - 1)
         while shared < limit and self.tokens[shared] == prompt[shared]:
             shared += 1
-        for c in self.target + self.draft:
-            if c.offset > shared:
-                c.trim(c.offset - shared)
+        shared = trim_caches(self.target + self.draft, shared)
         self.tokens = self.tokens[:shared]
         return shared
 

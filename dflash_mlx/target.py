@@ -1,29 +1,34 @@
 """The target side: loading an mlx-lm model and adapting it for speculative decoding.
 
-`TargetAdapter` finds the layer list, embedding and LM head of an mlx-lm model,
-captures the hidden states of chosen layers lazily (the layer outputs are kept
-as unevaluated arrays of the same graph, so capturing costs no extra
-evaluation), and makes and rolls back the target's caches.
+`TargetAdapter` finds the layer list, embedding and LM head of an mlx-lm model
+(also inside multimodal wrappers), captures the hidden states of chosen layers
+lazily (the layer outputs are kept as unevaluated arrays of the same graph, so
+capturing costs no extra evaluation), and makes and rolls back the target's
+caches: sliding-window and recurrent layers get the caches of `rollback.py`.
+Families share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
 
-Capture works per instance: each tapped layer object gets a subclass of its own
-class whose `__call__` records the output, and gets its class back when the
-capture ends. No mlx-lm class is modified.
+Hooks work per instance: each tapped or recurrent layer object gets a subclass
+of its own class whose `__call__` records the output and checkpoints the
+recurrent cache, and gets its class back when the capture ends. No mlx-lm class
+is modified, so other models and other threads see mlx-lm unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from .checkpoint import cast_model, default_dtype, read_config, resolve_path
+from .rollback import RecurrentCache, WindowKVCache
 
 TARGET_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -65,93 +70,156 @@ def load(
     return model, tokenizer
 
 
-def _find_backbone(model: nn.Module) -> nn.Module:
-    """The module holding `embed_tokens` and `layers` (also inside wrappers)."""
-    for path in ("model", "language_model.model", "model.language_model", ""):
-        node: Any = model
-        for part in filter(None, path.split(".")):
-            node = getattr(node, part, None) if isinstance(node, nn.Module) else None
-        if isinstance(node, nn.Module) and "embed_tokens" in node and "layers" in node:
-            return node
+# Model types proven lossless on tiny random configs of their mlx-lm class (tests/test_families.py).
+SUPPORTED_MODEL_TYPES = (
+    "gemma4",
+    "gemma4_text",
+    "gpt_oss",
+    "kimi_k25",
+    "llama",
+    "minimax",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_moe",
+    "qwen3_next",
+)
+# Backbones that multiply the embeddings by `embed_scale`; transformers folds it into
+# `embed_tokens`, which is what the published drafters were trained on.
+SCALED_EMBEDDINGS = ("gemma4", "gemma4_text")
+SUPPORTED = (
+    f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}; "
+    "other models whose layers all use a plain KVCache are expected to work."
+)
+
+
+def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(owner, backbone): the module with `embed_tokens` and `layers` and the one holding it.
+
+    The owner holds the LM head and the text config, also inside multimodal
+    wrappers (`model.language_model.model`).
+    """
+    for owner_path, name in (
+        ("language_model", "model"),
+        ("", "model"),
+        ("model", "language_model"),
+        ("", ""),
+    ):
+        owner: Any = model
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part, None) if isinstance(owner, nn.Module) else None
+        backbone = getattr(owner, name, None) if name and isinstance(owner, nn.Module) else owner
+        if isinstance(backbone, nn.Module) and "embed_tokens" in backbone and "layers" in backbone:
+            return owner, backbone
     raise ValueError(
         f"cannot find the embedding and layer list of model type "
-        f"'{getattr(model, 'model_type', type(model).__name__)}'"
+        f"'{getattr(model, 'model_type', type(model).__name__)}'. {SUPPORTED}"
     )
 
 
-_CAPTURING_CLASSES: dict[type, type] = {}
+_HOOKED_CLASSES: dict[type, type] = {}
 
 
-def _capturing_class(cls: type) -> type:
-    """A subclass of `cls` whose call records its output in the instance's sink."""
-    if cls not in _CAPTURING_CLASSES:
+def _hooked_class(cls: type) -> type:
+    """A subclass of `cls` that checkpoints recurrent caches and records its output."""
+    if cls not in _HOOKED_CLASSES:
 
         def __call__(self, *args, **kwargs):
+            for c in (*args, *kwargs.values()):
+                if isinstance(c, RecurrentCache):
+                    c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
             out = cls.__call__(self, *args, **kwargs)
-            self._dflash_sink[self._dflash_index] = out[0] if isinstance(out, tuple) else out
+            if self._dflash_sink is not None:
+                self._dflash_sink[self._dflash_index] = out[0] if isinstance(out, tuple) else out
             return out
 
-        _CAPTURING_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
-    return _CAPTURING_CLASSES[cls]
+        _HOOKED_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
+    return _HOOKED_CLASSES[cls]
+
+
+def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> None:
+    """Re-run `layer` (unhooked) on the first positions of the input it last saw."""
+    cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
 class TargetAdapter:
-    """What the speculative loop needs from an mlx-lm model, family-agnostic."""
+    """What the speculative loop needs from an mlx-lm model; families differ only in data."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.model_type = getattr(model, "model_type", type(model).__name__)
-        backbone = _find_backbone(model)
+        owner, backbone = _find_backbone(model)
         self.layers = backbone.layers
-        self.embed_tokens = backbone.embed_tokens
-        self.lm_head = model.lm_head if "lm_head" in model else self.embed_tokens.as_linear
-        args = getattr(model, "args", None)
+        self.embedding = backbone.embed_tokens
+        self.embed_scale = backbone.embed_scale if self.model_type in SCALED_EMBEDDINGS else None
+        self.lm_head = owner.lm_head if "lm_head" in owner else self.embedding.as_linear
+        args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
+
+    def embed_tokens(self, tokens: mx.array) -> mx.array:
+        """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
+        h = self.embedding(tokens)
+        return h if self.embed_scale is None else h * self.embed_scale
 
     @property
     def hidden_size(self) -> int:
-        embed = self.embed_tokens
+        embed = self.embedding
         if isinstance(embed, nn.QuantizedEmbedding):
             return embed.scales.shape[-1] * embed.group_size
         return embed.weight.shape[-1]
 
     @property
     def vocab_size(self) -> int:
-        return self.embed_tokens.weight.shape[0]
+        return self.embedding.weight.shape[0]
 
     def make_cache(self) -> list[Any]:
-        cache = make_prompt_cache(self.model)
-        unsupported = {type(c).__name__ for c in cache if type(c) is not KVCache}
-        if unsupported:
-            raise ValueError(
-                f"target model type '{self.model_type}' is not supported yet: its caches "
-                f"({', '.join(sorted(unsupported))}) cannot be rolled back after a rejected "
-                "draft. Supported: llama, qwen3 and other models whose layers all use a plain "
-                "KVCache."
-            )
-        return cache
+        """mlx-lm's caches for the model, with the ones a trim cannot roll back replaced."""
+        return [self._rollbackable(c) for c in make_prompt_cache(self.model)]
+
+    def _rollbackable(self, cache: Any) -> Any:
+        if type(cache) is KVCache:
+            return cache
+        if self.model_type in SUPPORTED_MODEL_TYPES:
+            if type(cache) is RotatingKVCache and cache.keep == 0:
+                return WindowKVCache(cache.max_size)
+            if type(cache) is ArraysCache:
+                return RecurrentCache(len(cache.cache))
+        raise ValueError(
+            f"target model type '{self.model_type}' is not supported: its "
+            f"{type(cache).__name__} cannot be rolled back after a rejected draft. {SUPPORTED}"
+        )
 
     @staticmethod
     def rollback(cache: list[Any], num_tokens: int) -> None:
-        """Drop the last `num_tokens` positions (the rejected part of a verified block)."""
-        if num_tokens > 0:
-            for c in cache:
-                c.trim(num_tokens)
+        """Drop the last `num_tokens` positions (the rejected part of a verified block).
+
+        Called after every verify, also with 0: that ends the recurrent checkpoints.
+        """
+        for c in cache:
+            c.trim(num_tokens)
 
     @contextmanager
     def capture(self, layer_ids: list[int]) -> Iterator[dict[int, mx.array]]:
-        """Record the outputs of `layer_ids` on every forward while the context is open."""
+        """Record the outputs of `layer_ids` on every forward while the context is open.
+
+        Layers with a recurrent cache are hooked too: each forward checkpoints
+        their cache so that `rollback` can re-run the committed prefix.
+        """
         sink: dict[int, mx.array] = {}
+        tapped = set(layer_ids)
+        recurrent = {
+            i for i, c in enumerate(make_prompt_cache(self.model)) if isinstance(c, ArraysCache)
+        }
         hooked = []
         try:
-            for i in sorted(set(layer_ids)):
+            for i in sorted(tapped | recurrent):
                 layer = self.layers[i]
-                if type(layer) in _CAPTURING_CLASSES.values():
+                if type(layer) in _HOOKED_CLASSES.values():
                     raise RuntimeError(f"layer {i} is already being captured by another generation")
                 original = type(layer)
-                object.__setattr__(layer, "_dflash_sink", sink)
+                object.__setattr__(layer, "_dflash_sink", sink if i in tapped else None)
                 object.__setattr__(layer, "_dflash_index", i)
-                layer.__class__ = _capturing_class(original)
+                layer.__class__ = _hooked_class(original)
                 hooked.append((layer, original))
             yield sink
         finally:

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 from helpers import read_config, save_target
 from mlx.utils import tree_flatten
-from mlx_lm.models import gpt_oss
+from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
 
 import dflash_mlx
@@ -77,24 +77,21 @@ def test_captured_features_are_the_layer_outputs(loaded):
     assert type(target.layers[1]).__name__ == "TransformerBlock"
 
 
-def test_unsupported_family_names_itself(loaded):
+def test_unsupported_family_names_itself_and_the_supported_ones(loaded):
     _, tokenizer, draft = loaded("llama-tied-gqa")
-    args = gpt_oss.ModelArgs(
-        num_hidden_layers=6,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        vocab_size=draft.config.vocab_size,
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
         hidden_size=64,
+        num_hidden_layers=6,
         intermediate_size=64,
         head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        vocab_size=draft.config.vocab_size,
         sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 3,
     )
-    model = gpt_oss.Model(args)
-    with pytest.raises(ValueError, match="'gpt_oss' is not supported.*RotatingKVCache"):
+    model = gemma3_text.Model(args)
+    with pytest.raises(ValueError, match="'gemma3_text' is not supported.*RotatingKVCache") as e:
         stream_generate(model, draft, tokenizer, [5, 6, 7])
+    assert "Supported model types: gemma4, gemma4_text, gpt_oss, kimi_k25, llama" in str(e.value)
 
 
 def test_blas_binding_reported_and_can_be_disabled():

@@ -1,0 +1,189 @@
+"""Target caches that can drop the rejected tail of a verified block.
+
+mlx-lm's `KVCache` is trimmed by moving its offset back. Two other cache kinds
+cannot be, and are replaced by the classes here when the target's cache is made:
+
+- `WindowKVCache` for sliding-window layers (mlx-lm's `RotatingKVCache`
+  overwrites the oldest entries in place, so once it has wrapped, a trim
+  would leave a hole where a rejected draft evicted a still-needed entry).
+- `RecurrentCache` for recurrent layers (GatedDeltaNet conv + SSM state in
+  an `ArraysCache`): the state after the last committed token exists only
+  inside the verify forward.
+
+Both follow mlx-lm's cache protocol, so the model code runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import ArraysCache, _BaseCache
+
+
+class WindowKVCache(_BaseCache):
+    """Sliding-window keys/values, kept in temporal order and trimmable after any forward.
+
+    Before a forward of S positions starting at `offset`, only the positions
+    its first query can see are kept: [offset - window + 1, offset). A later
+    query sees a subset of those plus the forward's own, and a rollback keeps
+    at least the forward's first position, so nothing a query or a rejected
+    draft's successor needs is ever evicted. The attention mask limits every
+    query to exactly its `window` positions, i.e. what mlx-lm's
+    `RotatingKVCache` holds during autoregressive decoding. Each forward
+    concatenates the kept window-1 positions with the new ones (what
+    `RotatingKVCache` does for multi-token updates too); memory stays
+    O(window + block).
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.start = 0  # absolute position of keys[..., 0, :]
+
+    def _first_visible(self) -> int:
+        return max(0, self.offset - self.window + 1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        first = self._first_visible()
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            lo, hi = first - self.start, self.offset - self.start
+            self.keys = mx.concatenate([self.keys[..., lo:hi, :], keys], axis=2)
+            self.values = mx.concatenate([self.values[..., lo:hi, :], values], axis=2)
+        self.start = first
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False
+    ) -> mx.array | str | None:
+        """The mask over the keys `update_and_fetch` will return for the next N positions."""
+        if N == 1:
+            return None
+        kept = self.offset - self._first_visible()
+        if kept + N <= self.window and not return_array:
+            return "causal"
+        return create_causal_mask(N, kept, window_size=window_size or self.window)
+
+    def can_trim(self, n: int) -> bool:
+        return n == self.offset or self.start <= max(0, self.offset - n - self.window + 1)
+
+    def trim(self, n: int) -> int:
+        if not self.can_trim(n):
+            raise ValueError(
+                f"sliding-window cache holds positions {self.start}..{self.offset - 1}: "
+                f"cannot go back {n} positions"
+            )
+        self.offset -= n
+        if self.offset == 0:
+            self.keys = self.values = None
+            self.start = 0
+        return n
+
+    def size(self) -> int:
+        return min(self.offset, self.window)
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | list:
+        return [] if self.keys is None else (self.keys, self.values)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+Replay = Callable[[int], Any]
+
+
+class RecurrentCache(ArraysCache):
+    """A recurrent layer's state that can be rolled back into the last forward.
+
+    Design: snapshot and replay. Before each forward the layer's hook calls
+    `checkpoint`, which keeps references (no copies: MLX arrays are immutable
+    and the layer replaces them) to the state before the forward and a
+    closure that re-runs the layer on a prefix of the same input. `trim(n)`
+    restores the snapshot and re-runs the first S - n positions. Only the
+    cache's arrays are ever evaluated from the re-run, so lazy evaluation
+    runs just the path that feeds the state (norm, in_proj_qkv/a/b, conv,
+    recurrence): the attention output, out_proj and the MLP/MoE are never
+    computed. The re-run is queued lazily and evaluated together with the
+    next verify, so it adds no synchronisation.
+
+    Why not the alternatives: recording per-position states needs the
+    recurrence's intermediate states, which mlx-lm's `gated_delta_update`
+    does not expose (taking them would mean re-implementing the layer, and
+    the SSM state is Hv x Dv x Dk floats per position, ~3 MB per layer for
+    Qwen3.5-27B). A full acceptance (the common case with a good drafter)
+    costs nothing: the verify's own state is already right.
+
+    Measured (`python -m dflash_mlx.rollback_bench`, fp32 CPU, 2 busy cores):
+    see benchmarks/README.md.
+    """
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.offset = 0
+        self._checkpoint: tuple[list, int, int, Replay] | None = None
+
+    def advance(self, N: int) -> None:
+        super().advance(N)
+        self.offset += N
+
+    def checkpoint(self, num_positions: int, replay: Replay) -> None:
+        """Remember the state before a forward of `num_positions` and how to re-run a prefix."""
+        self._checkpoint = (list(self.cache), self.offset, num_positions, replay)
+
+    def can_trim(self, n: int) -> bool:
+        return (
+            n == 0
+            or n == self.offset
+            or (self._checkpoint is not None and n <= self._checkpoint[2])
+        )
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` positions; `trim(0)` just ends the last forward's checkpoint."""
+        if n == 0:
+            pass
+        elif n == self.offset:
+            self.cache = [None] * len(self.cache)
+            self.offset = 0
+        elif self.can_trim(n):
+            state, offset, num_positions, replay = self._checkpoint
+            self.cache, self.offset = list(state), offset
+            if num_positions > n:
+                replay(num_positions - n)
+        else:
+            raise ValueError(
+                "a recurrent state can only be rolled back into its last forward "
+                f"({self.offset} positions held, {n} to drop)"
+            )
+        self._checkpoint = None
+        return n
+
+
+def trim_caches(caches: list[Any], length: int) -> int:
+    """Trim every cache to `length` positions; if one cannot go back that far, empty all.
+
+    Returns the length the caches now hold (`length` or 0).
+    """
+    if not all(c.offset <= length or _can_trim(c, c.offset - length) for c in caches):
+        length = 0
+    for c in caches:
+        if c.offset > length:
+            c.trim(c.offset - length)
+    return length
+
+
+def _can_trim(cache: Any, n: int) -> bool:
+    """Ours know how far they can go back; mlx-lm's say whether they can at all."""
+    can_trim = getattr(cache, "can_trim", None)
+    return can_trim(n) if can_trim else cache.is_trimmable()

@@ -1,0 +1,397 @@
+"""Every published drafter's target family: tiny random configs of the very mlx-lm class the
+real checkpoint loads into, greedy DFlash output equal to mlx-lm's own token for token."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import reference_greedy
+from mlx.utils import tree_flatten
+from mlx_lm.models import (
+    gemma4,
+    gemma4_text,
+    gpt_oss,
+    kimi_k25,
+    llama,
+    minimax,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from test_generate import OracleDraft
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.rollback import RecurrentCache, WindowKVCache
+from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
+
+VOCAB = 320  # the tiny tokenizer's 300 tokens + padded rows
+MAX_TOKENS = 300
+COMMON = dict(vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=4096)
+ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+GATED_DELTA = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+)
+QWEN3_5 = dict(COMMON, **ATTN, **GATED_DELTA, hidden_size=64, num_hidden_layers=6)
+QWEN3_5["intermediate_size"] = 96
+GEMMA4 = dict(
+    COMMON,
+    **ATTN,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    global_head_dim=32,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    sliding_window=16,
+    sliding_window_pattern=3,
+    attention_k_eq_v=True,
+    use_double_wide_mlp=False,
+)
+DEEPSEEK_V3 = dict(
+    COMMON,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+)
+
+# name -> (mlx-lm module, ModelArgs fields); names are the model_type unless a variant.
+FAMILIES = {
+    "llama": (
+        llama,
+        dict(
+            COMMON,
+            **ATTN,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            rope_theta=50000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3": (
+        qwen3,
+        dict(
+            COMMON,
+            **ATTN,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            rope_theta=50000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_moe": (
+        qwen3_moe,
+        dict(
+            COMMON,
+            **ATTN,
+            **QWEN_MOE,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            rope_theta=50000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_5": (qwen3_5, dict(text_config=dict(QWEN3_5, tie_word_embeddings=True))),
+    "qwen3_5_moe": (
+        qwen3_5_moe,
+        dict(
+            text_config=dict(
+                QWEN3_5, **QWEN_MOE, shared_expert_intermediate_size=32, tie_word_embeddings=False
+            )
+        ),
+    ),
+    "qwen3_next": (
+        qwen3_next,
+        dict(
+            QWEN3_5,
+            **QWEN_MOE,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            shared_expert_intermediate_size=32,
+            rope_theta=50000.0,
+            partial_rotary_factor=0.25,
+        ),
+    ),
+    "gpt_oss": (
+        gpt_oss,
+        dict(
+            COMMON,
+            **ATTN,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=5,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"],
+        ),
+    ),
+    "gemma4_text": (gemma4_text, dict(GEMMA4, tie_word_embeddings=False)),
+    "gemma4": (
+        gemma4,
+        dict(
+            vocab_size=VOCAB,
+            text_config=dict(
+                GEMMA4,
+                enable_moe_block=True,
+                num_experts=4,
+                top_k_experts=2,
+                moe_intermediate_size=32,
+                attention_k_eq_v=False,
+                num_kv_shared_layers=2,
+                tie_word_embeddings=False,
+            ),
+        ),
+    ),
+    "kimi_k25": (kimi_k25, dict(text_config=dict(DEEPSEEK_V3))),
+    "minimax": (
+        minimax,
+        dict(
+            COMMON,
+            **ATTN,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=5,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=0,
+            rope_theta=50000.0,
+            rotary_dim=8,
+        ),
+    ),
+}
+
+
+def build(name: str, seed: int = 0):
+    """The mlx-lm Model for a family, with a larger-than-default init (as helpers.save_target)
+    so the tiny random model has peaked, non-degenerate greedy outputs."""
+    module, fields = FAMILIES[name]
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict({"model_type": name, **fields}))
+    params = tree_flatten(model.parameters())
+    model.load_weights([(k, v * 4.0 if v.ndim >= 2 else v) for k, v in params])
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(4, 300, size=length).tolist()
+
+
+@pytest.fixture(scope="module")
+def family():
+    """(model, random drafter, mlx-lm's greedy continuation of PROMPT) per family, built once."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build(name)
+            draft = init_draft(model, num_layers=2, block_size=16)
+            built[name] = model, draft, reference_greedy(model, PROMPT, MAX_TOKENS, set())
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded):
+    """The tiny tokenizer without an EOS, so that every run is MAX_TOKENS long."""
+    wrapper = TokenizerWrapper(loaded("llama-tied-gqa")[1]._tokenizer)
+    wrapper.eos_token_ids = []
+    return wrapper
+
+
+PROMPT = prompt_of(21, seed=0)
+
+
+def run(model, draft, tokenizer, prompt, **kwargs):
+    responses = list(stream_generate(model, draft, tokenizer, prompt, **kwargs))
+    return [t for r in responses for t in r.tokens], responses
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_equals_mlx_lm(family, tokenizer, name, block_size):
+    model, draft, expected = family(name)
+    tokens, responses = run(
+        model, draft, tokenizer, PROMPT, block_size=block_size, max_tokens=MAX_TOKENS
+    )
+    assert len(tokens) == MAX_TOKENS
+    assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
+    assert sum(r.accepted for r in responses) < sum(r.proposed for r in responses)
+
+
+class NoisyOracleDraft(OracleDraft):
+    """The true continuation with one token wrong at a pseudo-random place (or none), so that
+    every cycle rolls back a different number of positions, 0 to block_size - 1."""
+
+    def draft_logits(self, block, embed, lm_head, cache):
+        start, n = cache[0].offset, block.shape[0] - 1
+        truth = self.sequence[start + 1 : start + 1 + n]
+        wrong = int(np.random.default_rng(start).integers(0, n + 1))
+        if wrong < n:
+            truth[wrong] = (truth[wrong] + 1) % self.config.vocab_size
+        return 100.0 * mx.eye(self.config.vocab_size)[mx.array(truth)]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_oracle_is_fully_accepted_and_every_rollback_depth_is_lossless(family, tokenizer, name):
+    model, draft, expected = family(name)
+    oracle = OracleDraft(draft, PROMPT + expected)
+    tokens, responses = run(model, oracle, tokenizer, PROMPT, block_size=16, max_tokens=MAX_TOKENS)
+    assert tokens == expected
+    assert all(r.accepted == r.proposed for r in responses)
+    assert len(responses) == 1 + -(-(MAX_TOKENS - 1) // 16)
+
+    noisy = NoisyOracleDraft(draft, PROMPT + expected)
+    tokens, responses = run(model, noisy, tokenizer, PROMPT, block_size=8, max_tokens=MAX_TOKENS)
+    assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
+    assert {r.accepted for r in responses[1:-1]} == set(range(8))
+
+
+@pytest.mark.parametrize(
+    "name, special, ours",
+    [
+        ("qwen3_5", ArraysCache, RecurrentCache),
+        ("qwen3_5_moe", ArraysCache, RecurrentCache),
+        ("qwen3_next", ArraysCache, RecurrentCache),
+        ("gpt_oss", RotatingKVCache, WindowKVCache),
+        ("gemma4_text", RotatingKVCache, WindowKVCache),
+        ("gemma4", RotatingKVCache, WindowKVCache),
+    ],
+)
+def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, special, ours):
+    model, draft, _ = family(name)
+    native = model.make_cache()
+    cache = TargetAdapter(model).make_cache()
+    assert [type(c) for c in cache] == [ours if type(c) is special else KVCache for c in native]
+    tapped = {type(cache[i]) for i in draft.config.target_layer_ids}
+    assert tapped == {ours, KVCache}
+    windows = {c.max_size for c in native if type(c) is RotatingKVCache}
+    assert all(8 <= w <= 32 for w in windows)
+
+
+def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input(family):
+    for name in ("qwen3_5_moe", "kimi_k25", "gemma4"):
+        model = family(name)[0]
+        assert TargetAdapter(model).lm_head is model.language_model.lm_head
+    target = TargetAdapter(family("gemma4")[0])
+    ids = mx.array([[5, 9, 33]])
+    assert mx.array_equal(target.embed_tokens(ids), target.embedding(ids) * 8.0)  # sqrt(hidden)
+    assert target.max_context == 4096
+    assert set(FAMILIES) == set(SUPPORTED_MODEL_TYPES)
+
+
+def test_window_cache_holds_what_autoregressive_decoding_holds_across_the_wrap():
+    """Random K/V streams: blocks + rollbacks vs one position at a time in mlx-lm's
+    RotatingKVCache; the `window` newest positions must be identical after every cycle."""
+    window, rng = 8, np.random.default_rng(0)
+    stream = mx.array(rng.normal(size=(1, 2, 200, 4)).astype(np.float32))
+    ours, reference = WindowKVCache(window), RotatingKVCache(max_size=window)
+    ours.update_and_fetch(stream[..., :5, :], stream[..., :5, :])
+    for p in range(5):
+        reference.update_and_fetch(stream[..., p : p + 1, :], stream[..., p : p + 1, :])
+    while ours.offset < 180:
+        block = int(rng.integers(1, 17))
+        start = ours.offset
+        rejected = mx.array(rng.normal(size=(1, 2, block, 4)).astype(np.float32))
+        verify = mx.concatenate([stream[..., start : start + 1, :], rejected[..., 1:, :]], axis=2)
+        keys, _ = ours.update_and_fetch(verify, verify)
+        assert keys.shape[2] == min(start, window - 1) + block  # nothing a query sees is evicted
+        ours.trim(block - 1)  # only the first position (the committed token) stays
+        reference.update_and_fetch(
+            stream[..., start : start + 1, :], stream[..., start : start + 1, :]
+        )
+        keys, _ = ours.update_and_fetch(stream[..., start + 1 : start + 2, :], stream[..., :1, :])
+        ours.trim(1)
+        expected = reference._temporal_order(reference.keys)[..., -min(start + 1, window) :, :]
+        visible = keys[..., -1 - min(start + 1, window - 1) : -1, :]
+        assert mx.array_equal(visible, expected[..., -visible.shape[2] :, :])
+    assert not ours.can_trim(window) and ours.can_trim(ours.offset)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("accepted", [0, 3, 7])
+def test_recurrent_rollback_leaves_the_state_after_the_last_committed_token(family, name, accepted):
+    model, _, expected = family(name)
+    target = TargetAdapter(model)
+    truth = expected[: accepted + 2]
+    block = truth[: accepted + 1] + [(truth[-1] + 1) % VOCAB] * (7 - accepted)
+    cache, reference = target.make_cache(), target.make_cache()
+    with target.capture([]):
+        model(mx.array(PROMPT)[None], cache=cache)
+        model(mx.array(block)[None], cache=cache)
+        target.rollback(cache, len(block) - accepted - 1)
+    model(mx.array(PROMPT)[None], cache=reference)
+    for t in truth[: accepted + 1]:
+        model(mx.array([[t]]), cache=reference)
+    for ours, ar in zip(cache, reference):
+        assert ours.offset == ar.offset == len(PROMPT) + accepted + 1
+        if isinstance(ours, RecurrentCache):
+            for a, b in zip(ours.cache, ar.cache):
+                # |state| ~ 10; a verify's matmuls over 8 rows differ from 1-row ones by ~1e-5
+                assert mx.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
+    model, draft, expected = family("qwen3_5")
+    twin = build("qwen3_5")
+    classes = [type(layer) for layer in model.layers]
+    call = qwen3_5.DecoderLayer.__call__
+    gen = stream_generate(model, draft, tokenizer, PROMPT, max_tokens=40)
+    next(gen)
+    hooked = [type(layer) is not cls for layer, cls in zip(model.layers, classes)]
+    recurrent = [isinstance(c, ArraysCache) for c in model.make_cache()]
+    tapped = [i in draft.config.target_layer_ids for i in range(len(classes))]
+    assert hooked == [r or t for r, t in zip(recurrent, tapped)]
+    assert qwen3_5.DecoderLayer.__call__ is call
+    assert reference_greedy(twin, PROMPT, 40, set()) == expected[:40]  # another instance: untouched
+    gen.close()
+    assert [type(layer) for layer in model.layers] == classes
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
+def test_prompt_cache_across_turns(family, tokenizer, name):
+    """A follow-up turn reuses the cache; an edited history that a recurrent or sliding-window
+    cache cannot go back to is prefilled again. Both stay lossless."""
+    model, draft, _ = family(name)
+    cache = make_prompt_cache(model, draft)
+    first = prompt_of(30, seed=3)
+    reply, _ = run(model, draft, tokenizer, first, max_tokens=40, prompt_cache=cache)
+    for prompt, reused in ((first + reply + prompt_of(5, seed=4), 69), (first[:12], 0)):
+        assert cache.reuse(prompt) == reused
+        expected = reference_greedy(model, prompt, 40, set())
+        assert (
+            run(model, draft, tokenizer, prompt, max_tokens=40, prompt_cache=cache)[0] == expected
+        )
+        assert all(c.offset == len(cache.tokens) for c in cache.target + cache.draft)
