@@ -139,6 +139,16 @@ def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
         )
 
 
+def sampling_function(
+    sampler: Sampler | None, temperature: float, top_p: float, top_k: int, min_p: float
+) -> Callable[[mx.array], mx.array]:
+    """Logits -> token ids. Greedy skips the log-softmax: argmax does not need it."""
+    if sampler is None and temperature == 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k=top_k)
+    return lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
 def stream_generate(
     model: nn.Module,
     draft: DFlashDraft,
@@ -179,11 +189,11 @@ def stream_generate(
             f"the prompt has {len(prompt_ids)} tokens; the target's context holds "
             f"{target.max_context}"
         )
-    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k=top_k)
+    pick = sampling_function(sampler, temperature, top_p, top_k, min_p)
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
     return _speculate(
-        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, sampler
+        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, pick
     )
 
 
@@ -195,7 +205,7 @@ def _speculate(
     prompt: list[int],
     block_size: int,
     max_tokens: int,
-    sampler: Sampler,
+    pick: Sampler,
 ) -> Iterator[GenerationResponse]:
     model, cfg = target.model, draft.config
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
@@ -204,20 +214,32 @@ def _speculate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
 
-    def sample(logits: mx.array) -> mx.array:
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
     with target.capture(cfg.target_layer_ids) as captured, wired_limit(model):
 
         def features() -> mx.array:
             return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
+
+        def launch(last: int, n: int) -> tuple[mx.array, mx.array]:
+            """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
+            last_id = mx.array([last])
+            if n > 1:
+                block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
+                drafts = pick(
+                    draft.draft_logits(block, target.embed_tokens, target.lm_head, draft_cache)
+                )
+                verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
+            else:
+                drafts, verify = mx.array([], dtype=mx.int32), last_id
+            choices = pick(model(verify[None], cache=cache)[0])
+            mx.async_eval(drafts, choices)
+            return drafts, choices
 
         tic = time.perf_counter()
         for start in range(reused, len(prompt), PREFILL_STEP):
             logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
             draft.append_context(features(), draft_cache)
             mx.eval([c.state for c in cache + draft_cache])
-        committed = sample(logits[0, -1:]).tolist()
+        committed = pick(logits[0, -1:]).tolist()
         prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)
         prompt_cache.tokens = list(prompt)
         tic = time.perf_counter()
@@ -230,6 +252,9 @@ def _speculate(
             finish = (
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
             )
+            if not finish:
+                n = min(block_size, max_tokens - generated)
+                drafts, choices = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -250,27 +275,14 @@ def _speculate(
             if finish:
                 return
 
-            n = min(block_size, max_tokens - generated)
-            last = mx.array(committed[-1:])
-            if n > 1:
-                block = mx.concatenate([last, mx.full((n - 1,), cfg.mask_token_id, last.dtype)])
-                drafts = sample(
-                    draft.draft_logits(block, target.embed_tokens, target.lm_head, draft_cache)
-                )
-                verify = mx.concatenate([last, drafts.astype(last.dtype)])
-            else:
-                drafts, verify = mx.array([], dtype=mx.int32), last
-            choices = sample(model(verify[None], cache=cache)[0])
             draft_ids, choice_ids = drafts.tolist(), choices.tolist()
-            verify_ids = committed[-1:] + draft_ids
-
             proposed, accepted = n - 1, 0
             while accepted < proposed and draft_ids[accepted] == choice_ids[accepted]:
                 accepted += 1
-            committed = choice_ids[: accepted + 1]
             target.rollback(cache, n - accepted - 1)
             draft.append_context(features()[:, : accepted + 1], draft_cache)
-            prompt_cache.tokens.extend(verify_ids[: accepted + 1])
+            prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
+            committed = choice_ids[: accepted + 1]
 
 
 def generate(
