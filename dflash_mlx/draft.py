@@ -151,6 +151,32 @@ class DFlashConfig:
         return out
 
 
+@dataclass
+class BlockContext:
+    """A layer's context for many blocks of one sequence at once (training), in place of a cache.
+
+    Block i is batch row i and starts at position `offsets[i]`; `keys`/`values`
+    (1, kv_heads, T, head_dim) hold the context of all T positions and `mask`
+    (N, 1, 1, T) says which of them each block sees (those before its anchor).
+    A block always sees itself, and never another block.
+    """
+
+    keys: mx.array
+    values: mx.array
+    offsets: mx.array
+    mask: mx.array
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        n, _, length, _ = queries.shape
+        ctx_shape = (n, *self.keys.shape[1:])
+        keys = mx.concatenate([mx.broadcast_to(self.keys, ctx_shape), keys], axis=2)
+        values = mx.concatenate([mx.broadcast_to(self.values, ctx_shape), values], axis=2)
+        own = mx.ones((n, 1, 1, length), dtype=mx.bool_)
+        mask = mx.concatenate([self.mask, own], axis=-1)
+        mask = mx.broadcast_to(mask, (n, 1, length, mask.shape[-1]))
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, window: int | None, kernels: str):
         super().__init__()
@@ -179,17 +205,20 @@ class DraftAttention(nn.Module):
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
         B, L, _ = x.shape
-        offset = cache.offset
+        offset = cache.offsets if isinstance(cache, BlockContext) else cache.offset
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, offset)
-        start = 0 if self.window is None else max(0, offset - self.window)
-        ctx_keys = cache.keys[..., start:offset, :]
-        ctx_values = cache.values[..., start:offset, :]
-        out = block_attention(
-            queries, ctx_keys, ctx_values, keys, values, self.scale, backend=self.kernels
-        )
+        if isinstance(cache, BlockContext):
+            out = cache.attend(queries, keys, values, self.scale)
+        else:
+            start = 0 if self.window is None else max(0, offset - self.window)
+            ctx_keys = cache.keys[..., start:offset, :]
+            ctx_values = cache.values[..., start:offset, :]
+            out = block_attention(
+                queries, ctx_keys, ctx_values, keys, values, self.scale, backend=self.kernels
+            )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -212,7 +241,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -238,13 +267,19 @@ class DFlashDraft(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def fuse(self, target_hidden: mx.array) -> mx.array:
+        """The context rows: concatenated target features -> fc -> hidden_norm."""
+        return self.hidden_norm(self.fc(target_hidden))
+
     def append_context(self, target_hidden: mx.array, cache: list[KVCache]) -> None:
         """Store K/V of newly committed positions; they depend only on the fused features."""
-        context = self.hidden_norm(self.fc(target_hidden))
+        context = self.fuse(target_hidden)
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.keys_values(context, c.offset))
 
-    def __call__(self, block_embeddings: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(
+        self, block_embeddings: mx.array, cache: list[KVCache] | list[BlockContext]
+    ) -> mx.array:
         """Final hidden states of the block (B, L, hidden); positions follow the context."""
         h = block_embeddings
         for layer, c in zip(self.layers, cache):
