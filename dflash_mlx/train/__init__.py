@@ -1,0 +1,176 @@
+"""Train DFlash drafters: `dflash-mlx train data|features|fit|export`.
+
+The stages run separately and each resumes where it stopped: `data` stores the
+target's greedy replies to offline prompts as token ids (replies.jsonl);
+`features` caches the target's hidden states of the tapped layers (fp16) for
+every stored sequence; `fit` trains a drafter on random anchored blocks with a
+block-sparse mask and checkpoints (ckpt/); `export` writes our layout with a
+model card and the published layout. Everything large lives in the work dir
+(default ~/.cache/dflash-mlx/train/<name>), never in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_TAPS = "1,8,14,20,27"
+
+
+def default_work_dir(name: str) -> Path:
+    from ..gguf import cache_dir
+
+    return cache_dir() / "train" / name
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="stage", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None, help="target dir or hub id (default: SmolLM2)")
+    common.add_argument("--name", default="smollm2-135m-instruct", help="work dir name")
+    common.add_argument("--work", default=None, help="work dir (default: cache/train/NAME)")
+
+    p = sub.add_parser("data", parents=[common], help="generate self-distillation replies")
+    p.add_argument("--num-prompts", type=int, default=3000)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("features", parents=[common], help="cache target hidden states")
+    p.add_argument("--taps", type=_ints, default=_ints(DEFAULT_TAPS), help="target layer ids")
+    p.add_argument("--batch-size", type=int, default=8)
+
+    p = sub.add_parser("fit", parents=[common], help="train (resumes from WORK/ckpt)")
+    p.add_argument("--layers", type=int, default=2, help="draft layers")
+    p.add_argument("--init-layers", type=_ints, default=None, help="target layers to copy")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seqs-per-step", type=int, default=2)
+    p.add_argument("--blocks-per-seq", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--gamma", type=float, default=7.0, help="loss decay w_k = exp(-(k-1)/gamma)")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument(
+        "--soft-weight", type=float, default=0.5, help="share of the target's top-K soft labels"
+    )
+    p.add_argument("--full-vocab", action="store_true", help="softmax over the whole vocab")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-prompts", type=int, default=3)
+    p.add_argument("--eval-max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("export", parents=[common], help="write the trained drafter")
+    p.add_argument("--out", required=True, help="our layout (with README.md model card)")
+    p.add_argument("--published", default=None, help="also write the published layout here")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--card", default=None, help="model card markdown file (default: a stub)")
+
+
+def work_dir(args: argparse.Namespace) -> Path:
+    return Path(args.work).expanduser() if args.work else default_work_dir(args.name)
+
+
+def load_target(args: argparse.Namespace):
+    from .. import load
+    from ..gguf import smollm2_model_dir
+
+    return load(args.model or smollm2_model_dir())
+
+
+def run(args: argparse.Namespace) -> None:
+    work = work_dir(args)
+    {"data": run_data, "features": run_features, "fit": run_fit, "export": run_export}[args.stage](
+        args, work
+    )
+
+
+def run_data(args: argparse.Namespace, work: Path) -> None:
+    from .data import extend_dataset
+    from .prompts import build_prompts
+
+    model, tokenizer = load_target(args)
+    prompts = build_prompts(args.num_prompts, args.seed)
+    extend_dataset(
+        model, tokenizer, prompts, work / "replies.jsonl", args.max_tokens, args.batch_size
+    )
+
+
+def run_features(args: argparse.Namespace, work: Path) -> None:
+    from .data import read_records
+    from .features import cache_features
+
+    model, _ = load_target(args)
+    records = read_records(work / "replies.jsonl")
+    n = cache_features(model, records, work / "features", args.taps, batch_size=args.batch_size)
+    print(f"features cached for {n} of {len(records)} records in {work / 'features'}")
+
+
+def run_fit(args: argparse.Namespace, work: Path) -> None:
+    import numpy as np
+
+    from ..bench import render
+    from .data import read_records
+    from .features import load_features
+    from .prompts import build_prompts
+    from .trainer import Sequence, TrainConfig, Trainer, decode_tau, fit, make_draft
+
+    model, tokenizer = load_target(args)
+    taps = json.loads((work / "features" / "meta.json").read_text())["target_layer_ids"]
+    records = read_records(work / "replies.jsonl")
+    features = load_features(work / "features", len(records))
+    data = [Sequence(np.array(r["ids"]), r["start"], **f) for r, f in zip(records, features)]
+
+    print(f"{len(data)} sequences, {sum(len(s.ids) - s.start for s in data)} reply tokens")
+    vocab = None if args.full_vocab else np.unique(np.concatenate([s.ids for s in data]))
+    cfg = TrainConfig(
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        blocks_per_seq=args.blocks_per_seq,
+        lr=args.lr,
+        warmup=args.warmup,
+        clip=args.clip,
+        gamma=args.gamma,
+        soft_weight=args.soft_weight,
+        seed=args.seed,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+    )
+    ckpt = work / "ckpt"
+    draft = make_draft(model, args.layers, taps, args.block_size, args.init_layers, args.seed)
+    trainer = Trainer(model, draft, cfg, vocab)
+    if ckpt.exists():
+        trainer.load(ckpt)
+        print(f"resumed from {ckpt} at step {trainer.step}")
+    seen = {tuple(r["ids"][: r["start"]]) for r in records}
+    candidates = build_prompts(10 * args.eval_prompts, seed=args.seed + 1000)
+    rendered = [render(tokenizer, p["prompt"], chat=True) for p in candidates]
+    held_out = [ids for ids in rendered if tuple(ids) not in seen]
+
+    def eval_fn(d):
+        return decode_tau(model, d, tokenizer, held_out[: args.eval_prompts], args.eval_max_tokens)
+
+    fit(trainer, data, ckpt, work / "train_log.jsonl", eval_fn)
+
+
+def run_export(args: argparse.Namespace, work: Path) -> None:
+    import mlx.core as mx
+
+    from ..draft import DFlashConfig, DFlashDraft
+    from .export import export_converted, export_published
+
+    ckpt = work / "ckpt"
+    state = json.loads((ckpt / "state.json").read_text())
+    draft = DFlashDraft(DFlashConfig.from_dict(state["draft"]))
+    draft.load_weights(str(ckpt / "draft.safetensors"))
+    mx.eval(draft.parameters())
+    card = Path(args.card).read_text() if args.card else f"# DFlash drafter, step {state['step']}\n"
+    print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
+    if args.published:
+        print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")

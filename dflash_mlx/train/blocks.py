@@ -1,0 +1,107 @@
+"""Random anchored blocks and the block-sparse training forward.
+
+A training sequence (prompt + reply, with cached target features) yields N
+blocks, each [anchor token] + mask tokens at positions anchor..anchor+B-1,
+labelled with the next B-1 tokens. This mirrors one drafting cycle: the anchor
+is the last committed token, whose own features the target has not produced
+yet, so block i sees the context of positions < anchor_i and its own block,
+never another block. The blocks are the batch rows of one drafter forward
+(`BlockContext` replaces the caches), which is the paper's sparse mask without
+computing the zero blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..draft import BlockContext, DFlashDraft
+
+
+def sample_anchors(
+    start: int, length: int, num_blocks: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Up to `num_blocks` distinct sorted anchors in the reply, each with at least one label."""
+    candidates = np.arange(start, length - 1)
+    if len(candidates) <= num_blocks:
+        return candidates
+    return np.sort(rng.choice(candidates, size=num_blocks, replace=False))
+
+
+def block_labels(ids: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple:
+    """Labels (N, B-1) = tokens anchor+1..anchor+B-1 and a validity mask (past the end: 0)."""
+    pos = anchors[:, None] + np.arange(1, block_size)[None]
+    valid = pos < len(ids)
+    return ids[np.minimum(pos, len(ids) - 1)], valid
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """The paper's loss decay w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
+    return np.exp(-np.arange(block_size - 1) / gamma)
+
+
+def context_mask(anchors: np.ndarray, length: int, window: int | None = None) -> mx.array:
+    """(N, 1, 1, T): block i sees context positions t < anchor_i (and >= anchor_i - window)."""
+    t = np.arange(length)[None]
+    a = anchors[:, None]
+    visible = t < a
+    if window is not None:
+        visible &= t >= a - window
+    return mx.array(visible[:, None, None, :])
+
+
+def block_hidden(
+    draft: DFlashDraft,
+    embed: Callable[[mx.array], mx.array],
+    features: mx.array,
+    ids: np.ndarray,
+    anchors: np.ndarray,
+) -> mx.array:
+    """Final drafter hidden states (N, B, hidden) of all blocks of one sequence in one forward."""
+    cfg = draft.config
+    context = draft.fuse(features[None].astype(mx.float32))
+    offsets = mx.array(anchors.astype(np.int32))
+    contexts = []
+    for layer in draft.layers:
+        keys, values = layer.self_attn.keys_values(context, 0)
+        mask = context_mask(anchors, features.shape[0], layer.self_attn.window)
+        contexts.append(BlockContext(keys, values, offsets, mask))
+    block = np.full((len(anchors), cfg.block_size), cfg.mask_token_id, dtype=np.int32)
+    block[:, 0] = ids[anchors]
+    return draft(embed(mx.array(block)), contexts)
+
+
+def block_loss(
+    hidden: mx.array,
+    lm_head: Callable[[mx.array], mx.array],
+    labels: mx.array,
+    weights: mx.array,
+    soft: tuple[mx.array, mx.array] | None = None,
+    soft_weight: float = 0.5,
+) -> tuple[mx.array, mx.array]:
+    """Weighted cross-entropy sum over the mask positions, and the per-label hits (N, B-1).
+
+    `soft` = (ids, probs), each (N, B-1, K): the target's own top-K next-token
+    distribution at each label's position; the loss then mixes the hard-label
+    cross-entropy with the cross-entropy against it (`soft_weight`), which
+    says how close the runners-up were, not just which token won.
+    """
+    logits = lm_head(hidden[:, 1:])
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ce = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    if soft is not None:
+        ids, probs = soft
+        soft_ce = -(mx.take_along_axis(logp, ids, axis=-1) * probs).sum(-1)
+        ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+    hits = mx.stop_gradient(mx.argmax(logits, axis=-1) == labels)
+    return (ce * weights).sum(), hits
+
+
+def soft_labels(
+    top_ids: np.ndarray, top_logp: np.ndarray, anchors: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The target's top-K at positions anchor..anchor+B-2 (each predicts the next label)."""
+    pos = np.minimum(anchors[:, None] + np.arange(block_size - 1)[None], len(top_ids) - 1)
+    return top_ids[pos], top_logp[pos]

@@ -1,0 +1,35 @@
+"""Write a trained drafter in our layout (with a model card) and in the published layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..checkpoint import save_draft
+from ..draft import DFlashDraft
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def export_converted(draft: DFlashDraft, out: Path, card: str, dtype: str = "bfloat16") -> Path:
+    """Our layout (config.json, model.safetensors, README.md), cast to `dtype`."""
+    draft.set_dtype(DTYPES[dtype])
+    try:
+        return save_draft(draft, out, card)
+    finally:
+        draft.set_dtype(mx.float32)
+
+
+def export_published(draft: DFlashDraft, out: Path, dtype: str = "bfloat16") -> Path:
+    """The z-lab layout other DFlash runtimes read: Qwen3-style config with `dflash_config`,
+    bf16 `model.safetensors` under the same weight names, `torch_dtype` set."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**draft.config.to_dict(), "torch_dtype": dtype}
+    config.pop("quantization", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = {k: v.astype(DTYPES[dtype]) for k, v in tree_flatten(draft.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    return out

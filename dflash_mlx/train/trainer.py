@@ -1,0 +1,290 @@
+"""The training loop: AdamW with warm-up + cosine, clipping, checkpoints, eval by real decoding.
+
+Step s draws its sequences and anchors from (seed, epoch, sequence) alone, so a
+run resumed from a checkpoint (drafter, optimizer state, step) continues
+exactly as if it had not stopped, and every epoch sees fresh anchors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+from ..checkpoint import init_draft
+from ..draft import DFlashDraft
+from ..generate import stream_generate
+from ..target import TargetAdapter
+from .blocks import (
+    block_hidden,
+    block_labels,
+    block_loss,
+    position_weights,
+    sample_anchors,
+    soft_labels,
+)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    seqs_per_step: int = 4
+    blocks_per_seq: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    gamma: float = 7.0
+    soft_weight: float = 0.0
+    seed: int = 0
+    save_every: int = 100
+    eval_every: int = 0
+    log_every: int = 10
+
+
+@dataclass
+class Sequence:
+    """Prompt + reply token ids (reply from `start`), cached target features and soft labels."""
+
+    ids: np.ndarray
+    start: int
+    features: mx.array
+    top_ids: mx.array | None = None
+    top_logp: mx.array | None = None
+
+
+def make_draft(
+    model: nn.Module,
+    num_layers: int,
+    target_layer_ids: list[int],
+    block_size: int = 16,
+    init_layers: list[int] | None = None,
+    seed: int = 0,
+) -> DFlashDraft:
+    """A float32 drafter for `model`; `init_layers` copies those target layers into it.
+
+    The drafter's final norm then starts as the target's, so the first step
+    already speaks the LM head's language.
+    """
+    base = init_draft(model, num_layers=num_layers, block_size=block_size, seed=seed)
+    draft = DFlashDraft(replace(base.config, target_layer_ids=list(target_layer_ids)))
+    draft.set_dtype(mx.float32)
+    if init_layers:
+        if len(init_layers) != num_layers:
+            raise ValueError(f"--init-layers needs {num_layers} target layer ids")
+        layers = TargetAdapter(model).layers
+        for layer, i in zip(draft.layers, init_layers):
+            own = dict(tree_flatten(layer.parameters()))
+            theirs = tree_flatten(layers[i].parameters())
+            layer.load_weights([(k, v) for k, v in theirs if k in own], strict=False)
+        for _, module in model.named_modules():
+            if getattr(module, "layers", None) is layers and "norm" in module:
+                draft.norm.load_weights(list(module.norm.parameters().items()))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def lr_schedule(cfg: TrainConfig) -> optim.schedulers.Callable:
+    warm = optim.linear_schedule(cfg.lr / cfg.warmup, cfg.lr, cfg.warmup)
+    cosine = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), cfg.lr * cfg.min_lr_ratio)
+    return optim.join_schedules([warm, cosine], [cfg.warmup])
+
+
+def step_batch(
+    data: list[Sequence], step: int, cfg: TrainConfig, block_size: int
+) -> list[tuple[Sequence, np.ndarray]]:
+    """The (sequence, anchors) pairs of `step`: a fresh permutation and fresh anchors per epoch."""
+    out = []
+    for j in range(cfg.seqs_per_step):
+        g = step * cfg.seqs_per_step + j
+        epoch, pos = divmod(g, len(data))
+        index = int(np.random.default_rng([cfg.seed, epoch]).permutation(len(data))[pos])
+        seq = data[index]
+        rng = np.random.default_rng([cfg.seed, epoch, index])
+        out.append((seq, sample_anchors(seq.start, len(seq.ids), cfg.blocks_per_seq, rng)))
+    return out
+
+
+def head_weight(target: TargetAdapter) -> mx.array:
+    """The frozen LM head's (vocab, hidden) matrix (the embedding when tied)."""
+    head = target.lm_head
+    owner = head if isinstance(head, nn.Module) else getattr(head, "__self__", None)
+    if type(owner) not in (nn.Linear, nn.Embedding):
+        raise ValueError("training needs an unquantized LM head (load the target in float32)")
+    return owner.weight
+
+
+class Trainer:
+    """Owns the drafter, optimizer and step counter; `save`/`load` make runs resumable.
+
+    With `vocab` (sorted token ids, e.g. every token of the training data) the
+    loss is a softmax over those rows of the frozen LM head only: the head is
+    most of a step's cost, and a label can only be a token of the data.
+    Decoding still uses the full head.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        draft: DFlashDraft,
+        cfg: TrainConfig,
+        vocab: np.ndarray | None = None,
+    ):
+        self.target = TargetAdapter(model)
+        self.model, self.draft, self.cfg = model, draft, cfg
+        weight = head_weight(self.target)
+        if vocab is None:
+            vocab = np.arange(weight.shape[0])
+        self.to_vocab = np.full(weight.shape[0], -1, dtype=np.int32)
+        self.to_vocab[vocab] = np.arange(len(vocab))
+        rows = weight[mx.array(vocab.astype(np.int32))]
+        mx.eval(rows)
+        self.head = lambda h: h @ rows.T
+        self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
+        self.optimizer.init(draft.trainable_parameters())
+        self.step = 0
+        self.weights = position_weights(draft.config.block_size, cfg.gamma)
+        self._grad = nn.value_and_grad(draft, self._loss)
+
+    def _loss(self, batch: list[tuple]) -> tuple[mx.array, mx.array]:
+        total, hits = mx.array(0.0), []
+        for features, ids, anchors, labels, weights, soft in batch:
+            hidden = block_hidden(self.draft, self.target.embed_tokens, features, ids, anchors)
+            loss, h = block_loss(hidden, self.head, labels, weights, soft, self.cfg.soft_weight)
+            total, hits = total + loss, hits + [h]
+        return total, mx.concatenate(hits)
+
+    def _soft(self, seq: Sequence, anchors: np.ndarray) -> tuple[mx.array, mx.array] | None:
+        """Soft targets mapped into the loss vocabulary (tokens outside it get probability 0)."""
+        if not self.cfg.soft_weight or seq.top_ids is None:
+            return None
+        top_ids, top_logp = soft_labels(
+            np.array(seq.top_ids),
+            np.array(seq.top_logp, dtype=np.float32),
+            anchors,
+            self.draft.config.block_size,
+        )
+        index = self.to_vocab[top_ids]
+        probs = np.exp(top_logp) * (index >= 0)
+        probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-9)
+        return mx.array(np.maximum(index, 0)), mx.array(probs)
+
+    def train_step(self, pairs: list[tuple[Sequence, np.ndarray]]) -> dict:
+        """One AdamW step on the weighted mean cross-entropy of all blocks of `pairs`."""
+        labelled = [
+            (seq, anchors, *block_labels(seq.ids, anchors, self.draft.config.block_size))
+            for seq, anchors in pairs
+        ]
+        norm = sum((self.weights * ok).sum() for *_, ok in labelled)
+        batch = [
+            (
+                seq.features,
+                seq.ids,
+                anchors,
+                mx.array(self.to_vocab[labels]),
+                mx.array(self.weights * ok / norm),
+                self._soft(seq, anchors),
+            )
+            for seq, anchors, labels, ok in labelled
+        ]
+        (loss, hits), grads = self._grad(batch)
+        grads, grad_norm = optim.clip_grad_norm(grads, self.cfg.clip)
+        self.optimizer.update(self.draft, grads)
+        mx.eval(self.draft.parameters(), self.optimizer.state, loss, hits)
+        self.step += 1
+        stats = hit_stats(hits, [ok for *_, ok in labelled])
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats}
+
+    def save(self, path: Path) -> None:
+        """Drafter weights, optimizer state and step, written to a temp dir then swapped in."""
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        mx.save_safetensors(
+            str(tmp / "draft.safetensors"), dict(tree_flatten(self.draft.parameters()))
+        )
+        mx.save_safetensors(
+            str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
+        )
+        state = {"step": self.step, "train": asdict(self.cfg), "draft": self.draft.config.to_dict()}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path) -> None:
+        self.draft.load_weights(str(path / "draft.safetensors"))
+        self.optimizer.state = tree_unflatten(
+            list(mx.load(str(path / "optimizer.safetensors")).items())
+        )
+        self.step = json.loads((path / "state.json").read_text())["step"]
+        mx.eval(self.draft.parameters(), self.optimizer.state)
+
+
+def hit_stats(hits: mx.array, valid: list[np.ndarray]) -> dict:
+    """Per-position accuracy and the acceptance length the hits imply (1 + accepted prefix)."""
+    hits = np.array(hits) & np.concatenate(valid)
+    ok = np.concatenate(valid)
+    acc = hits.sum(0) / np.maximum(ok.sum(0), 1)
+    tau = 1.0 + np.cumprod(hits, axis=1).sum(1).mean()
+    return {"acc": acc.round(3).tolist(), "tau_est": float(tau)}
+
+
+def decode_tau(
+    model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int
+) -> float:
+    """Mean acceptance length of real greedy speculative decoding over `prompts`."""
+    taus = []
+    for ids in prompts:
+        tokens, cycles = 0, 0
+        for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens):
+            tokens, cycles = r.generation_tokens, cycles + 1
+        taus.append((tokens - 1) / max(cycles - 1, 1))
+    return float(np.mean(taus))
+
+
+def fit(
+    trainer: Trainer,
+    data: list[Sequence],
+    ckpt: Path,
+    log: Path,
+    eval_fn=None,
+) -> None:
+    """Train to `cfg.steps`, checkpointing every `save_every` steps and at the end."""
+    cfg = trainer.cfg
+    bar = tqdm(total=cfg.steps, initial=trainer.step, dynamic_ncols=True)
+    with log.open("a") as f:
+        while trainer.step < cfg.steps:
+            tic = time.perf_counter()
+            pairs = step_batch(data, trainer.step, cfg, trainer.draft.config.block_size)
+            stats = trainer.train_step(pairs)
+            step = trainer.step
+            stats |= {"step": step, "lr": float(trainer.optimizer.learning_rate)}
+            stats["seconds"] = round(time.perf_counter() - tic, 3)
+            bar.update(1)
+            acc = stats["acc"]
+            bar.set_postfix_str(
+                f"loss {stats['loss']:.3f} acc@1-4 {' '.join(f'{a:.2f}' for a in acc[:4])} "
+                f"tau~{stats['tau_est']:.2f}"
+            )
+            if eval_fn and cfg.eval_every and step % cfg.eval_every == 0:
+                stats["eval_tau"] = eval_fn(trainer.draft)
+                bar.write(f"step {step}: eval tau {stats['eval_tau']:.2f}")
+            if step % cfg.log_every == 0 or "eval_tau" in stats:
+                f.write(json.dumps(stats) + "\n")
+                f.flush()
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                trainer.save(ckpt)
+    bar.close()

@@ -1,0 +1,222 @@
+"""Drafter training on tiny random targets: mask, loss weights, resume, and that it learns."""
+
+from __future__ import annotations
+
+import math
+
+import helpers
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import dflash_mlx
+from dflash_mlx.bench import render
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.train.blocks import (
+    block_hidden,
+    block_labels,
+    block_loss,
+    context_mask,
+    position_weights,
+    sample_anchors,
+)
+from dflash_mlx.train.data import extend_dataset, read_records
+from dflash_mlx.train.export import export_converted, export_published
+from dflash_mlx.train.features import cache_features, load_features
+from dflash_mlx.train.prompts import _shingles, bench_shingles, build_prompts
+from dflash_mlx.train.trainer import (
+    Sequence,
+    TrainConfig,
+    Trainer,
+    decode_tau,
+    make_draft,
+    step_batch,
+)
+
+TAPS = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny(workdir):
+    model, tokenizer = dflash_mlx.load(helpers.save_target(workdir / "train-target"))
+    return model, tokenizer
+
+
+def features_of(model, ids: np.ndarray, taps=TAPS) -> mx.array:
+    target = TargetAdapter(model)
+    with target.capture(taps) as captured:
+        model(mx.array(ids)[None])
+        return mx.concatenate([captured[i] for i in taps], axis=-1)[0]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_context_mask_matches_brute_force(window):
+    rng = np.random.default_rng(0)
+    anchors = sample_anchors(4, 30, 9, rng)
+    mask = np.array(context_mask(anchors, 30, window))
+    assert mask.shape == (len(anchors), 1, 1, 30)
+    for i, a in enumerate(anchors):
+        for t in range(30):
+            expected = t < a and (window is None or t >= a - window)
+            assert mask[i, 0, 0, t] == expected
+
+
+def test_anchors_lie_in_the_reply_with_a_label():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        start, length = int(rng.integers(1, 20)), int(rng.integers(22, 60))
+        anchors = sample_anchors(start, length, 8, rng)
+        assert len(anchors) == min(8, length - 1 - start)
+        assert np.all(np.diff(anchors) > 0)
+        assert anchors.min() >= start and anchors.max() <= length - 2
+    assert len(sample_anchors(5, 6, 4, rng)) == 0
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_training_forward_equals_inference_per_block(tiny, window):
+    """All blocks in one masked forward == append_context(features[:p]) + draft(block) each."""
+    model, _ = tiny
+    target = TargetAdapter(model)
+    draft = make_draft(model, 2, TAPS, block_size=8, seed=3)
+    for layer in draft.layers:
+        layer.self_attn.window = window
+    ids = np.random.default_rng(0).integers(0, 300, size=40)
+    feats = features_of(model, ids)
+    anchors = sample_anchors(5, 40, 10, np.random.default_rng(2))
+    logits = target.lm_head(block_hidden(draft, target.embed_tokens, feats, ids, anchors))
+    for i, p in enumerate(anchors):
+        cache = draft.make_cache()
+        draft.append_context(feats[None, :p], cache)
+        block = mx.array([int(ids[p])] + [draft.config.mask_token_id] * 7)
+        ref = target.lm_head(draft(target.embed_tokens(block[None]), cache))[0]
+        assert mx.abs(ref - logits[i]).max().item() < 1e-4
+
+
+def test_loss_weights_and_labels():
+    w = position_weights(16, 7.0)
+    assert w.shape == (15,)
+    assert np.allclose(w, [math.exp(-(k - 1) / 7.0) for k in range(1, 16)])
+    ids = np.arange(100, 120)
+    labels, valid = block_labels(ids, np.array([3, 15]), 8)
+    assert labels[0].tolist() == list(range(104, 111)) and valid[0].all()
+    assert labels[1, :4].tolist() == [116, 117, 118, 119]
+    assert valid[1].tolist() == [True] * 4 + [False] * 3
+
+    hidden = mx.random.normal((2, 8, 6), key=mx.random.key(0))
+    head = mx.random.normal((11, 6), key=mx.random.key(1))
+    y = mx.array([[1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6]])
+    weights = mx.array(np.stack([w[:7], w[:7] * valid[1]]))
+    loss, hits = block_loss(hidden, lambda h: h @ head.T, y, weights)
+    logits = np.array(hidden[:, 1:] @ head.T, dtype=np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, np.array(y)[..., None], -1)[..., 0]
+    assert abs(loss.item() - (ce * np.array(weights)).sum()) < 1e-3
+    assert (np.array(hits) == (logits.argmax(-1) == np.array(y))).all()
+
+    one_hot = (y[..., None], mx.ones((2, 7, 1)))  # soft labels all on the hard label: same loss
+    soft_loss, _ = block_loss(hidden, lambda h: h @ head.T, y, weights, one_hot, 0.7)
+    assert abs(soft_loss.item() - loss.item()) < 1e-4
+    even = (mx.stack([y, (y + 1) % 11], axis=-1), mx.full((2, 7, 2), 0.5))
+    soft_loss, _ = block_loss(hidden, lambda h: h @ head.T, y, weights, even, 1.0)
+    other = np.take_along_axis(logp, (np.array(y) + 1)[..., None] % 11, -1)[..., 0]
+    expected = -(0.5 * np.take_along_axis(logp, np.array(y)[..., None], -1)[..., 0] + 0.5 * other)
+    assert abs(soft_loss.item() - (expected * np.array(weights)).sum()) < 1e-3
+
+
+def tiny_data(model, n: int = 6, length: int = 48, start: int = 8) -> list[Sequence]:
+    rng = np.random.default_rng(5)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, 300, size=length)
+        out.append(Sequence(ids, start, features_of(model, ids).astype(mx.float16)))
+    return out
+
+
+def test_resume_gives_the_same_state(tiny, tmp_path):
+    model, _ = tiny
+    data = tiny_data(model)
+    cfg = TrainConfig(steps=6, seqs_per_step=2, blocks_per_seq=4, warmup=2, lr=3e-3)
+    vocab = np.unique(np.concatenate([s.ids for s in data]))
+
+    straight = Trainer(model, make_draft(model, 1, TAPS, 8, seed=1), cfg, vocab)
+    for s in range(4):
+        straight.train_step(step_batch(data, s, cfg, 8))
+
+    first = Trainer(model, make_draft(model, 1, TAPS, 8, seed=1), cfg, vocab)
+    for s in range(2):
+        first.train_step(step_batch(data, s, cfg, 8))
+    first.save(tmp_path / "ckpt")
+    resumed = Trainer(model, make_draft(model, 1, TAPS, 8, seed=9), cfg, vocab)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.step == 2
+    for _ in range(2):
+        resumed.train_step(step_batch(data, resumed.step, cfg, 8))
+
+    a, b = (
+        dict(tree_flatten(straight.draft.parameters())),
+        dict(tree_flatten(resumed.draft.parameters())),
+    )
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    sa = dict(tree_flatten(straight.optimizer.state))
+    sb = dict(tree_flatten(resumed.optimizer.state))
+    assert sa.keys() == sb.keys() and all(mx.array_equal(sa[k], sb[k]).item() for k in sa)
+
+
+def test_epochs_resample_anchors():
+    data = [Sequence(np.arange(60), 10, mx.zeros((60, 4))) for _ in range(2)]
+    cfg = TrainConfig(seqs_per_step=2, blocks_per_seq=6)
+    epoch0 = [a.tolist() for _, a in step_batch(data, 0, cfg, 8)]
+    epoch1 = [a.tolist() for _, a in step_batch(data, 1, cfg, 8)]
+    assert epoch0 != epoch1 and epoch0 == [a.tolist() for _, a in step_batch(data, 0, cfg, 8)]
+
+
+def test_prompts_are_disjoint_from_the_bench_suite():
+    held_out = bench_shingles()
+    prompts = build_prompts(600)
+    assert len({p["category"] for p in prompts}) == 3
+    assert not any(_shingles(p["prompt"]) & held_out for p in prompts)
+
+
+def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
+    """Self-distil a tiny target, cache features, train: real decoding on held-out prompts
+    accepts more. The target's weights are scaled down from the test helper's (which makes
+    replies chaotic) so that its replies have structure a drafter can learn in seconds."""
+    model, tokenizer = dflash_mlx.load(helpers.save_target(workdir / "learnable-target"))
+    params = tree_flatten(model.parameters())
+    model.load_weights([(k, v * 0.6 if v.ndim == 2 and "embed" not in k else v) for k, v in params])
+    prompts = build_prompts(104, seed=3)
+    extend_dataset(model, tokenizer, prompts[:96], tmp_path / "replies.jsonl", 40, batch_size=16)
+    records = read_records(tmp_path / "replies.jsonl")
+    n = cache_features(model, records, tmp_path / "features", TAPS, chunk_size=16)
+    data = [
+        Sequence(np.array(r["ids"]), r["start"], **f)
+        for r, f in zip(records, load_features(tmp_path / "features", n, chunk_size=16))
+    ]
+    held_out = [render(tokenizer, p["prompt"], chat=True) for p in prompts[96:]]
+    cfg = TrainConfig(steps=300, seqs_per_step=2, blocks_per_seq=16, warmup=20, lr=3e-3)
+    trainer = Trainer(model, make_draft(model, 1, TAPS, 8, seed=0), cfg)
+    before = decode_tau(model, trainer.draft, tokenizer, held_out, 32)
+    for s in range(cfg.steps):
+        trainer.train_step(step_batch(data, s, cfg, 8))
+    after = decode_tau(model, trainer.draft, tokenizer, held_out, 32)
+    assert after > before + 0.25, (before, after)
+
+
+def test_exports_load_and_agree(tiny, tmp_path):
+    model, _ = tiny
+    draft = make_draft(model, 1, TAPS, 8, seed=2)
+    export_converted(draft, tmp_path / "ours", "# card\n", dtype="float32")
+    export_published(draft, tmp_path / "published", dtype="float32")
+    feats = features_of(model, np.arange(20))[None]
+    outs = []
+    for d in (
+        draft,
+        dflash_mlx.load_draft(tmp_path / "ours"),
+        dflash_mlx.load_draft(tmp_path / "published"),
+    ):
+        cache = d.make_cache()
+        d.append_context(feats, cache)
+        outs.append(d(mx.zeros((1, 8, 64)), cache))
+    assert mx.allclose(outs[0], outs[1]).item() and mx.allclose(outs[0], outs[2]).item()
+    assert (tmp_path / "ours" / "README.md").read_text() == "# card\n"
