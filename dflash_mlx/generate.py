@@ -13,21 +13,20 @@ exactly the target's own greedy output.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import DFlashDraft
 from .rollback import trim_caches
+from .sampling import Sampler, Verifier, make_verifier
 from .target import TargetAdapter
 
 PREFILL_STEP = 2048
-Sampler = Callable[[mx.array], mx.array]
 
 
 @dataclass
@@ -139,16 +138,6 @@ def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
         )
 
 
-def sampling_function(
-    sampler: Sampler | None, temperature: float, top_p: float, top_k: int, min_p: float
-) -> Callable[[mx.array], mx.array]:
-    """Logits -> token ids. Greedy skips the log-softmax: argmax does not need it."""
-    if sampler is None and temperature == 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k=top_k)
-    return lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
 def stream_generate(
     model: nn.Module,
     draft: DFlashDraft,
@@ -162,12 +151,16 @@ def stream_generate(
     min_p: float = 0.0,
     sampler: Sampler | None = None,
     prompt_cache: PromptCache | None = None,
+    acceptance: str = "speculative",
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
     `block_size` defaults to the drafter's; 1 means plain autoregressive decoding
     through the same loop. Sampling follows mlx-lm's `make_sampler` (greedy at
     temperature 0); a custom `sampler` maps log-probabilities to token ids.
+    When sampling, `acceptance="speculative"` accepts drafts by speculative
+    sampling (exact in distribution); `"match"` only when a draft equals the
+    target's own sample (also the rule for a custom `sampler`).
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
     pass the whole conversation as `prompt`; only the new part is prefilled.
     """
@@ -189,11 +182,11 @@ def stream_generate(
             f"the prompt has {len(prompt_ids)} tokens; the target's context holds "
             f"{target.max_context}"
         )
-    pick = sampling_function(sampler, temperature, top_p, top_k, min_p)
+    verifier = make_verifier(temperature, top_p, top_k, min_p, sampler, acceptance)
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
     return _speculate(
-        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, pick
+        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, verifier
     )
 
 
@@ -205,7 +198,7 @@ def _speculate(
     prompt: list[int],
     block_size: int,
     max_tokens: int,
-    pick: Sampler,
+    verifier: Verifier,
 ) -> Iterator[GenerationResponse]:
     model, cfg = target.model, draft.config
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
@@ -219,27 +212,28 @@ def _speculate(
         def features() -> mx.array:
             return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
 
-        def launch(last: int, n: int) -> tuple[mx.array, mx.array]:
+        def launch(last: int, n: int) -> tuple[mx.array, mx.array, mx.array]:
             """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
             last_id = mx.array([last])
             if n > 1:
                 block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
-                drafts = pick(
+                drafts, draft_logprobs = verifier.propose(
                     draft.draft_logits(block, target.embed_tokens, target.lm_head, draft_cache)
                 )
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:
-                drafts, verify = mx.array([], dtype=mx.int32), last_id
-            choices = pick(model(verify[None], cache=cache)[0])
-            mx.async_eval(drafts, choices)
-            return drafts, choices
+                drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
+            logits = model(verify[None], cache=cache)[0]
+            choices, matches = verifier.verify(drafts, draft_logprobs, logits)
+            mx.async_eval(drafts, choices, matches)
+            return drafts, choices, matches
 
         tic = time.perf_counter()
         for start in range(reused, len(prompt), PREFILL_STEP):
             logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
             draft.append_context(features(), draft_cache)
             mx.eval([c.state for c in cache + draft_cache])
-        committed = pick(logits[0, -1:]).tolist()
+        committed = verifier.propose(logits[0, -1:])[0].tolist()
         prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)
         prompt_cache.tokens = list(prompt)
         tic = time.perf_counter()
@@ -254,7 +248,7 @@ def _speculate(
             )
             if not finish:
                 n = min(block_size, max_tokens - generated)
-                drafts, choices = launch(committed[-1], n)
+                drafts, choices, matches = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -275,14 +269,14 @@ def _speculate(
             if finish:
                 return
 
-            draft_ids, choice_ids = drafts.tolist(), choices.tolist()
+            draft_ids, choice_ids, match_flags = drafts.tolist(), choices.tolist(), matches.tolist()
             proposed, accepted = n - 1, 0
-            while accepted < proposed and draft_ids[accepted] == choice_ids[accepted]:
+            while accepted < proposed and match_flags[accepted]:
                 accepted += 1
             target.rollback(cache, n - accepted - 1)
             draft.append_context(features()[:, : accepted + 1], draft_cache)
             prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
-            committed = choice_ids[: accepted + 1]
+            committed = draft_ids[:accepted] + [choice_ids[accepted]]
 
 
 def generate(

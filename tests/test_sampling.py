@@ -1,0 +1,145 @@
+"""Sampling: the transform equals mlx-lm's sampler, and speculative sampling is exact in
+distribution (chi-square against exactly computed target probabilities, p-value > 1e-3)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+from scipy.stats import chisquare
+
+from dflash_mlx import stream_generate
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.sampling import make_logprobs_transform, make_verifier, speculative_verify
+
+SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
+
+
+def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit, pooling cells expected to hold fewer than 5 samples."""
+    probs = np.asarray(probs, dtype=np.float64)
+    probs = probs / probs.sum()
+    expected = probs * len(samples)
+    observed = np.bincount(samples, minlength=len(probs)).astype(float)
+    big = expected >= 5
+    assert observed[probs == 0].sum() == 0, "sampled a token of probability 0"
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()  # float rounding of the total
+    return chisquare(obs[keep], exp).pvalue
+
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.9, top_k=4, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_transform_is_the_distribution_mlx_lm_samples(setting):
+    mx.random.seed(0)
+    logits = mx.random.normal((12,)) * 2
+    probs = np.array(mx.exp(make_logprobs_transform(**setting)(logits)))
+    assert abs(probs.sum() - 1) < 1e-5
+    sampler = make_sampler(
+        setting["temperature"],
+        setting.get("top_p", 0.0),
+        setting.get("min_p", 0.0),
+        top_k=setting.get("top_k", 0),
+    )
+    logprobs = logits - mx.logsumexp(logits)
+    samples = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
+    assert chi2_pvalue(samples, probs) > SIGNIFICANCE
+
+
+def test_speculative_verify_emits_the_target_distribution():
+    rng = np.random.default_rng(0)
+    vocab, k = 6, 2
+    p = rng.dirichlet(np.ones(vocab), size=k + 1)
+    q = rng.dirichlet(np.ones(vocab), size=k)
+    p_log, q_log = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
+    mx.random.seed(1)
+    first, second, accepted = [], [], []
+    for _ in range(6000):
+        drafts = mx.random.categorical(q_log)
+        choices, matches = speculative_verify(drafts, q_log, p_log)
+        d, c, m = drafts.tolist(), choices.tolist(), matches.tolist()
+        first.append(d[0] if m[0] else c[0])
+        if m[0]:
+            second.append(d[1] if m[1] else c[1])
+        accepted.append(m[0])
+    assert chi2_pvalue(np.array(first), p[0]) > SIGNIFICANCE
+    assert chi2_pvalue(np.array(second), p[1]) > SIGNIFICANCE
+    expected_rate = np.minimum(p[0], q[0]).sum()  # speculative acceptance: sum of min(p, q)
+    assert abs(np.mean(accepted) - expected_rate) < 4 * np.sqrt(expected_rate / 6000)
+
+
+def exact_second_token(model, prompt: list[int], transform) -> np.ndarray:
+    """P(x2) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1), from the target itself."""
+    p1 = np.array(mx.exp(transform(model(mx.array([prompt]))[0, -1])), dtype=np.float64)
+    support = np.nonzero(p1)[0]
+    batch = mx.array([prompt + [int(t)] for t in support])
+    p2 = np.array(mx.exp(transform(model(batch)[:, -1])), dtype=np.float64)
+    return p1[support] @ p2
+
+
+class NoisyOracleDraft(DFlashDraft):
+    """For the first cycle after `prompt`: the target's own next-token logits plus fixed noise,
+    so the drafter's q overlaps the target's p without equalling it."""
+
+    def __init__(self, draft: DFlashDraft, model, prompt: list[int]):
+        super().__init__(draft.config)
+        self.update(draft.parameters())
+        object.__setattr__(self, "target", model)
+        object.__setattr__(self, "prompt", prompt)
+        object.__setattr__(self, "noise", 1.5 * mx.random.normal((draft.config.vocab_size,)))
+
+    def draft_logits(self, block, embed, lm_head, cache):
+        assert cache[0].offset == len(self.prompt) and block.shape[0] == 2
+        context = mx.array([self.prompt + block[:1].tolist()])
+        return self.target(context)[0, -1:] + self.noise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9)])
+def test_generation_is_exact_in_distribution(loaded, setting):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = [0, 39, 259, 28]  # a prompt whose next-token distribution is broad
+    expected = exact_second_token(model, prompt, make_logprobs_transform(**setting))
+    mx.random.seed(3)
+    drafter = NoisyOracleDraft(draft, model, prompt)
+    second, accepted = [], []
+    for _ in range(1000):
+        responses = list(
+            stream_generate(
+                model, drafter, tokenizer, prompt, block_size=2, max_tokens=3, **setting
+            )
+        )
+        tokens = [t for r in responses for t in r.tokens]
+        second.append(tokens[1])
+        accepted.append(responses[1].accepted)
+    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
+    assert chi2_pvalue(np.array(second), expected) > SIGNIFICANCE
+
+
+def test_speculative_rule_accepts_more_than_matching(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    rates = {}
+    for rule in ("speculative", "match"):
+        mx.random.seed(5)
+        accepted = proposed = 0
+        for r in stream_generate(
+            model, draft, tokenizer, [5, 6, 7], max_tokens=200, temperature=1.0, acceptance=rule
+        ):
+            accepted, proposed = accepted + r.accepted, proposed + r.proposed
+        rates[rule] = accepted / proposed
+    assert rates["speculative"] > rates["match"]
+
+
+def test_bad_sampling_arguments():
+    with pytest.raises(ValueError, match="acceptance"):
+        make_verifier(0.5, acceptance="eager")
+    with pytest.raises(ValueError, match="temperature"):
+        make_verifier(-1.0)
