@@ -117,13 +117,14 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
 
     from ..bench import render
     from .data import read_records
-    from .features import load_features
+    from .features import cached_records, load_features
     from .prompts import build_prompts
     from .trainer import Sequence, TrainConfig, Trainer, decode_tau, fit, make_draft
 
     model, tokenizer = load_target(args)
     taps = json.loads((work / "features" / "meta.json").read_text())["target_layer_ids"]
     records = read_records(work / "replies.jsonl")
+    records = records[: cached_records(work / "features", len(records))]
     features = load_features(work / "features", len(records))
     data = [Sequence(np.array(r["ids"]), r["start"], **f) for r, f in zip(records, features)]
 

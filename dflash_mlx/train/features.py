@@ -94,6 +94,14 @@ def cache_features(
     return n_chunks * chunk_size
 
 
+def cached_records(feature_dir: Path, n_records: int, chunk_size: int = 64) -> int:
+    """How many of the first `n_records` records have features cached (whole chunks)."""
+    chunks = 0
+    while chunks < n_records // chunk_size and chunk_path(feature_dir, chunks).exists():
+        chunks += 1
+    return chunks * chunk_size
+
+
 def load_features(
     feature_dir: Path, n_records: int, chunk_size: int = 64
 ) -> list[dict[str, mx.array]]:
