@@ -150,11 +150,13 @@ class RecurrentCache(ArraysCache):
         self._checkpoint = (list(self.cache), self.offset, num_positions, replay)
 
     def can_trim(self, n: int) -> bool:
-        return (
-            n == 0
-            or n == self.offset
-            or (self._checkpoint is not None and n <= self._checkpoint[2])
-        )
+        """Back to empty, or into the last forward if it was checkpointed (not one after it)."""
+        if n in (0, self.offset):
+            return True
+        if self._checkpoint is None:
+            return False
+        _, offset, num_positions, _ = self._checkpoint
+        return n <= num_positions and self.offset == offset + num_positions
 
     def trim(self, n: int) -> int:
         """Drop the last `n` positions; `trim(0)` just ends the last forward's checkpoint."""

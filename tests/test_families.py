@@ -312,6 +312,12 @@ def test_recurrent_rollback_leaves_the_state_after_the_last_committed_token(fami
             for a, b in zip(ours.cache, ar.cache):
                 # |state| ~ 10; a verify's matmuls over 8 rows differ from 1-row ones by ~1e-5
                 assert mx.allclose(a, b, rtol=1e-4, atol=1e-4)
+    with target.capture([]):
+        model(mx.array([[5, 6]]), cache=cache)
+    recurrent = [c for c in cache if isinstance(c, RecurrentCache)]
+    assert all(c.can_trim(1) for c in recurrent)
+    model(mx.array([[7]]), cache=cache)  # unhooked: its snapshot is now stale
+    assert not any(c.can_trim(1) for c in recurrent)
 
 
 def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
