@@ -82,17 +82,21 @@ def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
 
 
 def load_draft(
-    path_or_repo: str | Path, dtype: mx.Dtype | None = None, kernels: str = "auto"
+    path_or_repo: str | Path,
+    dtype: mx.Dtype | None = None,
+    kernels: str = "auto",
+    context_window: int | None = None,
 ) -> DFlashDraft:
     """Load a DFlash drafter from a local directory or a hub id, in either layout.
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on Metal.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
+    `context_window` keeps the drafter's attention to the last W context positions.
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     config = DFlashConfig.from_dict(read_config(path))
     weights = read_weights(path)
-    model = DFlashDraft(config, kernels)
+    model = DFlashDraft(config, kernels, context_window)
     if config.quantization:
         q = config.quantization
         nn.quantize(

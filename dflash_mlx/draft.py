@@ -247,16 +247,26 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    """Drafter: `append_context` feeds committed target features, `__call__` drafts a block."""
+    """Drafter: `append_context` feeds committed target features, `__call__` drafts a block.
 
-    def __init__(self, config: DFlashConfig, kernels: str = "auto"):
+    `context_window` bounds the drafting cost on long contexts: the block then
+    attends to the last W committed positions only (the cache still holds all).
+    """
+
+    def __init__(
+        self, config: DFlashConfig, kernels: str = "auto", context_window: int | None = None
+    ):
         super().__init__()
         if kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {kernels!r}")
+        if context_window is not None and context_window < 1:
+            raise ValueError(f"context_window must be at least 1, got {context_window}")
         self.config = config
         n_features = len(config.target_layer_ids)
         windows = [
-            config.sliding_window if kind == "sliding_attention" else None
+            min(filter(None, (config.sliding_window, context_window)), default=None)
+            if kind == "sliding_attention"
+            else context_window
             for kind in config.layer_types
         ]
         self.layers = [DraftLayer(config, w, kernels) for w in windows]

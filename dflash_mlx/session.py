@@ -16,8 +16,9 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import init_draft, load_draft
-from .draft import DFlashDraft
+from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
+from .sampling import RULES
 from .target import load
 
 
@@ -32,7 +33,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     )
     parser.add_argument("--block-size", type=int, help="tokens per verify cycle (drafter's)")
     parser.add_argument(
-        "--kernels", default="auto", choices=("auto", "metal", "reference"), help="drafter kernels"
+        "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
+    )
+    parser.add_argument(
+        "--draft-window", type=int, help="drafter attends to the last N context positions only"
     )
     parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -40,6 +44,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="random seed for sampling")
+    parser.add_argument(
+        "--acceptance",
+        default="speculative",
+        choices=RULES,
+        help="when sampling: speculative sampling (exact) or accept only exact matches",
+    )
 
 
 def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
@@ -60,7 +70,7 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
     draft = (
         init_draft(model, num_layers=1)
         if args.no_draft
-        else load_draft(args.draft, kernels=args.kernels)
+        else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
     return model, tokenizer, draft
 
@@ -74,6 +84,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        acceptance=args.acceptance,
     )
 
 

@@ -245,3 +245,27 @@ def test_bad_generation_arguments(loaded):
 def test_kernels_option_validated(published):
     with pytest.raises(ValueError, match="kernels must be one of"):
         load_draft(published[1], kernels="cuda")
+
+
+def test_context_window_attends_to_the_last_positions_only(published):
+    """RoPE scores depend on relative positions only, so a windowed drafter over S positions
+    must draft like an unwindowed one given just the last W of them."""
+    _, draft_dir, model, draft, _, _ = published
+    from dflash_mlx.target import TargetAdapter
+
+    target = TargetAdapter(model)
+    windowed = load_draft(draft_dir, context_window=8)
+    rng = np.random.default_rng(3)
+    width = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    features = mx.array(rng.normal(size=(1, 30, width)).astype(np.float32))
+    block = mx.array([7] + [draft.config.mask_token_id] * 15)
+
+    def logits(drafter, context):
+        cache = drafter.make_cache()
+        drafter.append_context(context, cache)
+        return drafter.draft_logits(block, target.embed_tokens, target.lm_head, cache)
+
+    assert mx.allclose(logits(windowed, features), logits(draft, features[:, -8:]), atol=1e-4)
+    assert not mx.allclose(logits(draft, features), logits(draft, features[:, -8:]), atol=1e-2)
+    with pytest.raises(ValueError, match="context_window"):
+        load_draft(draft_dir, context_window=0)
