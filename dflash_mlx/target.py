@@ -70,7 +70,8 @@ def load(
     return model, tokenizer
 
 
-# Model types proven lossless on tiny random configs of their mlx-lm class (tests/test_families.py).
+# mlx-lm model modules (the model_type a checkpoint loads into, after mlx-lm's remapping such as
+# minimax_m2 -> minimax) proven lossless on tiny random configs (tests/test_families.py).
 SUPPORTED_MODEL_TYPES = (
     "gemma4",
     "gemma4_text",
@@ -148,10 +149,11 @@ class TargetAdapter:
     def __init__(self, model: nn.Module):
         self.model = model
         self.model_type = getattr(model, "model_type", type(model).__name__)
+        self.family = type(model).__module__.rpartition(".")[2]
         owner, backbone = _find_backbone(model)
         self.layers = backbone.layers
         self.embedding = backbone.embed_tokens
-        self.embed_scale = backbone.embed_scale if self.model_type in SCALED_EMBEDDINGS else None
+        self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
         self.lm_head = owner.lm_head if "lm_head" in owner else self.embedding.as_linear
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
@@ -179,7 +181,7 @@ class TargetAdapter:
     def _rollbackable(self, cache: Any) -> Any:
         if type(cache) is KVCache:
             return cache
-        if self.model_type in SUPPORTED_MODEL_TYPES:
+        if self.family in SUPPORTED_MODEL_TYPES:
             if type(cache) is RotatingKVCache and cache.keep == 0:
                 return WindowKVCache(cache.max_size)
             if type(cache) is ArraysCache:

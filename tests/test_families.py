@@ -261,6 +261,12 @@ def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input
     assert mx.array_equal(target.embed_tokens(ids), target.embedding(ids) * 8.0)  # sqrt(hidden)
     assert target.max_context == 4096
     assert set(FAMILIES) == set(SUPPORTED_MODEL_TYPES)
+    # Families are mlx-lm's modules: a model_type it remaps (gemma4_unified -> gemma4) is one too.
+    unified = gemma4.Model(gemma4.ModelArgs.from_dict(FAMILIES["gemma4"][1]))
+    unified.model_type = "gemma4_unified"
+    adapter = TargetAdapter(unified)
+    assert adapter.embed_scale == 8.0
+    assert {type(c) for c in adapter.make_cache()} == {WindowKVCache, KVCache}
 
 
 def test_window_cache_holds_what_autoregressive_decoding_holds_across_the_wrap():
