@@ -45,6 +45,7 @@ from .generate import (
     make_prompt_cache,
     stream_generate,
 )
+from .sampling import RULES
 from .target import load
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
@@ -303,6 +304,8 @@ def bench(
     split: bool = True,
     chat: bool = True,
     seed: int = 0,
+    adaptive: bool = False,
+    acceptance_rule: str = "speculative",
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Run the interleaved benchmark; the JSON-ready results (config left to the caller)."""
@@ -318,7 +321,16 @@ def bench(
 
     def dflash(ids: list[int], n: int, cache: Any = None) -> Callable[[], Iterable]:
         return lambda: stream_generate(
-            model, draft, tokenizer, ids, block_size, n, temperature, prompt_cache=cache
+            model,
+            draft,
+            tokenizer,
+            ids,
+            block_size,
+            n,
+            temperature,
+            prompt_cache=cache,
+            adaptive=adaptive,
+            acceptance=acceptance_rule,
         )
 
     encoded = [render(tokenizer, p["prompt"], chat) for p in prompts]
@@ -509,6 +521,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter block attention"
     )
+    parser.add_argument(
+        "--adaptive", action="store_true", help="decode plainly while drafting does not pay"
+    )
+    parser.add_argument("--acceptance", default="speculative", choices=RULES)
+    parser.add_argument(
+        "--draft-window", type=int, help="drafter attends to the last N context positions only"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
     parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot file")
@@ -526,13 +545,15 @@ def run(args: argparse.Namespace) -> None:
         args.model = str(smollm2_model_dir())
     model, tokenizer = load(args.model)
     if args.draft:
-        draft, draft_label = load_draft(args.draft, kernels=args.kernels), args.draft
+        draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
+        draft_label = args.draft
     else:
         draft = init_draft(
             model,
             num_layers=args.draft_layers,
             block_size=args.block_size or 16,
             kernels=args.kernels,
+            context_window=args.draft_window,
         )
         draft_label = f"random drafter ({args.draft_layers} layers)"
     print(f"bench: {len(prompts)} prompts, target {args.model}, {draft_label}", file=sys.stderr)
@@ -549,6 +570,8 @@ def run(args: argparse.Namespace) -> None:
         split=not args.no_split,
         chat=not args.no_chat_template,
         seed=args.seed,
+        adaptive=args.adaptive,
+        acceptance_rule=args.acceptance,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     results = {
@@ -559,6 +582,9 @@ def run(args: argparse.Namespace) -> None:
             "block_size": args.block_size or draft.config.block_size,
             "max_tokens": args.max_tokens,
             "temperature": args.temp,
+            "adaptive": args.adaptive,
+            "acceptance": args.acceptance,
+            "draft_window": args.draft_window,
             "repeat": args.repeat,
             "chat_template": not args.no_chat_template,
             "prompts": str(args.prompts or PROMPTS_FILE),

@@ -134,6 +134,7 @@ def init_draft(
     mask_token_id: int | None = None,
     seed: int = 0,
     kernels: str = "auto",
+    context_window: int | None = None,
 ) -> DFlashDraft:
     """A randomly initialised drafter shaped for `model` (for training or cost measurements).
 
@@ -167,7 +168,7 @@ def init_draft(
         }
     )
     mx.random.seed(seed)
-    draft = DFlashDraft(config, kernels)
+    draft = DFlashDraft(config, kernels, context_window)
     draft.set_dtype(default_dtype() or mx.bfloat16)
     mx.eval(draft.parameters())
     return draft

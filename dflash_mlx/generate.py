@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import AdaptiveBlock
 from .draft import DFlashDraft
 from .rollback import trim_caches
 from .sampling import Sampler, Verifier, make_verifier
@@ -152,6 +153,7 @@ def stream_generate(
     sampler: Sampler | None = None,
     prompt_cache: PromptCache | None = None,
     acceptance: str = "speculative",
+    adaptive: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -163,6 +165,8 @@ def stream_generate(
     target's own sample (also the rule for a custom `sampler`).
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
     pass the whole conversation as `prompt`; only the new part is prefilled.
+    `adaptive` decodes plainly (block 1) while drafting does not pay, probing
+    back later (see `adaptive.py`); the output is the same either way.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -185,8 +189,9 @@ def stream_generate(
     verifier = make_verifier(temperature, top_p, top_k, min_p, sampler, acceptance)
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
+    policy = AdaptiveBlock(block_size) if adaptive else None
     return _speculate(
-        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, max_tokens, verifier
+        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, policy, max_tokens, verifier
     )
 
 
@@ -197,6 +202,7 @@ def _speculate(
     tokenizer: TokenizerWrapper,
     prompt: list[int],
     block_size: int,
+    policy: AdaptiveBlock | None,
     max_tokens: int,
     verifier: Verifier,
 ) -> Iterator[GenerationResponse]:
@@ -236,7 +242,7 @@ def _speculate(
         committed = verifier.propose(logits[0, -1:])[0].tolist()
         prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)
         prompt_cache.tokens = list(prompt)
-        tic = time.perf_counter()
+        tic = synced = time.perf_counter()
         generated, accepted, proposed = 0, 0, 0
 
         while True:
@@ -247,7 +253,7 @@ def _speculate(
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
             )
             if not finish:
-                n = min(block_size, max_tokens - generated)
+                n = min(policy.next_block_size() if policy else block_size, max_tokens - generated)
                 drafts, choices, matches = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
@@ -273,6 +279,9 @@ def _speculate(
             proposed, accepted = n - 1, 0
             while accepted < proposed and match_flags[accepted]:
                 accepted += 1
+            if policy:
+                policy.record(n, accepted + 1, time.perf_counter() - synced)
+            synced = time.perf_counter()
             target.rollback(cache, n - accepted - 1)
             draft.append_context(features()[:, : accepted + 1], draft_cache)
             prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])

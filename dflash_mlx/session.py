@@ -45,6 +45,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="random seed for sampling")
     parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="decode plainly while drafting does not pay, probing back later",
+    )
+    parser.add_argument(
         "--acceptance",
         default="speculative",
         choices=RULES,
@@ -85,6 +90,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         top_k=args.top_k,
         min_p=args.min_p,
         acceptance=args.acceptance,
+        adaptive=args.adaptive,
     )
 
 
