@@ -5,7 +5,7 @@ time the verify forward of a block (logits and caches evaluated), then
 `TargetAdapter.rollback` keeping m of its positions (the replay of the
 committed prefix through the recurrent layers, caches evaluated). m = block
 (everything accepted) costs nothing and is not timed. Medians over interleaved
-repetitions. Configs: the tiny one of tests/test_families.py and one with
+repetitions. Configs: a tiny one (hidden 64, 6 layers) and one with
 SmolLM2-135M's sizes (hidden 576, 30 layers, 9/3 heads, MLP 1536, vocab 49152).
 
     python benchmarks/rollback_cost.py [--block 16] [--reps 15]

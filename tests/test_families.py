@@ -52,15 +52,14 @@ QWEN_MOE = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[0],
 )
-GATED_DELTA = dict(  # layers 0-2 and 4-5 recurrent, 3 full attention
+GATED_DELTA = dict(  # layers 0, 2, 4 recurrent, 1 and 3 full attention (Qwen3.5: 3 of 4 recurrent)
     BASE,
-    num_hidden_layers=6,
     linear_num_value_heads=4,
     linear_num_key_heads=2,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
-    full_attention_interval=4,
+    full_attention_interval=2,
     partial_rotary_factor=0.25,
 )
 GEMMA4 = dict(  # layers 0, 1, 3, 4 sliding (window 16), 2 full
