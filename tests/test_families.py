@@ -344,13 +344,16 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
 
 @pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
 def test_prompt_cache_across_turns(family, tokenizer, name):
-    """A follow-up turn reuses the cache; an edited history that a recurrent or sliding-window
-    cache cannot go back to is prefilled again. Both stay lossless."""
+    """Follow-up turns reuse the cache, also after a reply cut short; an edited history that a
+    recurrent or sliding-window cache cannot go back to is prefilled again. All lossless."""
     model, draft, _ = family(name)
     cache = make_prompt_cache(model, draft)
     first = prompt_of(30, seed=3)
-    reply, _ = run(model, draft, tokenizer, first, max_tokens=40, prompt_cache=cache)
-    for prompt, reused in ((first + reply + prompt_of(5, seed=4), 69), (first[:12], 0)):
+    gen = stream_generate(model, draft, tokenizer, first, max_tokens=200, prompt_cache=cache)
+    cut = [t for _, r in zip(range(4), gen) for t in r.tokens]
+    gen.close()
+    second = first + cut + prompt_of(5, seed=4)
+    for prompt, reused in ((second, len(first + cut) - 1), (first[:12], 0)):
         assert cache.reuse(prompt) == reused
         expected = reference_greedy(model, prompt, 40, set())
         assert (
