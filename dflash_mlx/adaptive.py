@@ -17,8 +17,9 @@ from dataclasses import dataclass
 class AdaptiveBlock:
     block_size: int
     smoothing: float = 0.3  # weight of the newest cycle in the running averages
-    warmup: int = 3  # speculative cycles before judging
-    min_backoff: int = 8  # plain tokens after the first failed probe
+    warmup: int = 2  # speculative cycles before the first judgement
+    probe: int = 1  # speculative cycles that re-judge after a plain stretch
+    min_backoff: int = 16  # plain tokens after the first failed judgement
     max_backoff: int = 256
     tau: float | None = None
     cycle_seconds: float | None = None
@@ -44,15 +45,20 @@ class AdaptiveBlock:
         if block_size == 1:
             self.step_seconds = self._average(self.step_seconds, seconds)
             self.plain_left = max(0, self.plain_left - 1)
-            if self.plain_left == 0 and not self.measuring:  # a stretch ended: probe afresh
-                self.judged_cycles, self.tau, self.cycle_seconds = 0, None, None
-            self.measuring = self.measuring and self.plain_left > 0
+            if self.plain_left == 0 and self.measuring:
+                self.measuring = False
+                self._judge()
+            elif self.plain_left == 0:  # a plain stretch ended: probe afresh
+                self.judged_cycles = self.warmup - self.probe
+                self.tau, self.cycle_seconds = None, None
             return
         self.tau = self._average(self.tau, committed)
         self.cycle_seconds = self._average(self.cycle_seconds, seconds)
         self.judged_cycles += 1
-        if self.judged_cycles < self.warmup or self.step_seconds is None:
-            return
+        if self.judged_cycles >= self.warmup and self.step_seconds is not None:
+            self._judge()
+
+    def _judge(self) -> None:
         if self.pays():
             self.backoff = self.min_backoff
         else:

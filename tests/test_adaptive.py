@@ -19,15 +19,16 @@ def drive(policy: AdaptiveBlock, tau: int, cycle_s: float, step_s: float, cycles
 
 def test_policy_falls_back_when_drafting_costs_more_and_backs_off_exponentially():
     sizes = drive(AdaptiveBlock(16), tau=1, cycle_s=3.0, step_s=1.0, cycles=120)
-    assert sizes[:3] == [16, 16, 16] and sizes[3:5] == [1, 1]  # warm-up, then measure a step
+    assert sizes[:2] == [16, 16] and sizes[2:4] == [1, 1]  # warm-up, then measure a step
     runs, current = [], None
-    for n in sizes[5:]:
+    for n in sizes[4:]:
         if n == 1:
             current = (current or 0) + 1
         elif current:
             runs.append(current)
             current = None
-    assert runs[:3] == [8, 16, 32]  # each failed probe doubles the plain stretch
+    assert runs[:3] == [16, 32, 64]  # each failed probe doubles the plain stretch
+    assert sizes[4 + 16] == 16 and sizes[4 + 16 + 1] == 1  # a one-cycle probe in between
 
 
 def test_policy_keeps_drafting_when_it_pays():
