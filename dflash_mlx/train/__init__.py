@@ -119,7 +119,15 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     from .data import read_records
     from .features import cached_records, load_features
     from .prompts import build_prompts
-    from .trainer import Sequence, TrainConfig, Trainer, decode_tau, fit, make_draft
+    from .trainer import (
+        Sequence,
+        TrainConfig,
+        Trainer,
+        decode_tau,
+        fit,
+        make_draft,
+        scale_fc_to_features,
+    )
 
     model, tokenizer = load_target(args)
     taps = json.loads((work / "features" / "meta.json").read_text())["target_layer_ids"]
@@ -149,6 +157,8 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     if ckpt.exists():
         trainer.load(ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}")
+    else:
+        scale_fc_to_features(draft, [s.features for s in data[:32]])
     seen = {tuple(r["ids"][: r["start"]]) for r in records}
     candidates = build_prompts(10 * args.eval_prompts, seed=args.seed + 1000)
     rendered = [render(tokenizer, p["prompt"], chat=True) for p in candidates]
