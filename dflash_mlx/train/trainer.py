@@ -286,21 +286,32 @@ def fit(
     log: Path,
     eval_fn=None,
 ) -> None:
-    """Train to `cfg.steps`, checkpointing every `save_every` steps and at the end."""
+    """Train to `cfg.steps`, checkpointing every `save_every` steps and at the end.
+
+    The bar and the JSONL log show means over the last `log_every` steps (one
+    step's 64 blocks are too few to read a trend from).
+    """
     cfg = trainer.cfg
     bar = tqdm(total=cfg.steps, initial=trainer.step, dynamic_ncols=True)
+    window: list[dict] = []
     with log.open("a") as f:
         while trainer.step < cfg.steps:
             tic = time.perf_counter()
             pairs = step_batch(data, trainer.step, cfg, trainer.draft.config.block_size)
-            stats = trainer.train_step(pairs)
+            window = [*window[-cfg.log_every + 1 :], trainer.train_step(pairs)]
+            window[-1]["seconds"] = time.perf_counter() - tic
             step = trainer.step
-            stats |= {"step": step, "lr": float(trainer.optimizer.learning_rate)}
-            stats["seconds"] = round(time.perf_counter() - tic, 3)
+            stats = {
+                "step": step,
+                "lr": float(trainer.optimizer.learning_rate),
+                **{k: float(np.mean([w[k] for w in window])) for k in ("loss", "tau_est")},
+                "acc": np.mean([w["acc"] for w in window], axis=0).round(3).tolist(),
+                "seconds": round(float(np.mean([w["seconds"] for w in window])), 3),
+            }
             bar.update(1)
-            acc = stats["acc"]
             bar.set_postfix_str(
-                f"loss {stats['loss']:.3f} acc@1-4 {' '.join(f'{a:.2f}' for a in acc[:4])} "
+                f"loss {stats['loss']:.3f} "
+                f"acc@1-4 {' '.join(f'{a:.2f}' for a in stats['acc'][:4])} "
                 f"tau~{stats['tau_est']:.2f}"
             )
             if eval_fn and cfg.eval_every and step % cfg.eval_every == 0:
