@@ -181,11 +181,13 @@ def stream_generate(
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the target's vocabulary")
-    if target.max_context and len(prompt_ids) >= target.max_context:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens; the target's context holds "
-            f"{target.max_context}"
-        )
+    if target.max_context:
+        if len(prompt_ids) >= target.max_context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the target's context holds "
+                f"{target.max_context}"
+            )
+        max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
     verifier = make_verifier(temperature, top_p, top_k, min_p, sampler, acceptance)
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())

@@ -205,3 +205,10 @@ def test_prompt_cache_survives_an_interrupted_reply(loaded):
     expected = reference_greedy(model, edited, 25, set(tokenizer.eos_token_ids))
     assert run(model, draft, tokenizer, edited, max_tokens=25, prompt_cache=cache)[0] == expected
     assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
+
+
+def test_generation_stops_where_the_context_is_full(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(4090, seed=3)  # the tiny targets hold 4096 positions
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=100)
+    assert len(tokens) == 6 and responses[-1].finish_reason == "length"
