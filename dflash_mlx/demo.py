@@ -24,7 +24,7 @@ from .generate import GenerationResponse, stream_generate
 from .target import load
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
-DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
