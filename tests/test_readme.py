@@ -18,7 +18,12 @@ def test_ci_runs_the_readme_test_command():
     assert tests in ci_lines
 
 
-def test_readme_main_job_runs_an_existing_script():
+def test_readme_main_job_runs_an_existing_command():
     main_job, _ = readme_commands()
-    script = re.search(r"python (\S+\.py)", main_job).group(1)
-    assert (ROOT / script).exists()
+    command = re.search(r"dflash-mlx (\w+)", main_job)
+    if command:
+        from dflash_mlx.cli import build_parser
+
+        assert build_parser().parse_args([command.group(1)]).func
+    else:
+        assert (ROOT / re.search(r"python (\S+\.py)", main_job).group(1)).exists()
