@@ -248,8 +248,9 @@ def _speculate(
         generated, accepted, proposed = 0, 0, 0
 
         while True:
-            if eos & set(committed):
-                committed = committed[: min(committed.index(t) for t in eos & set(committed)) + 1]
+            stop = next((i for i, t in enumerate(committed) if t in eos), None)
+            if stop is not None:
+                committed = committed[: stop + 1]
             generated += len(committed)
             finish = (
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
