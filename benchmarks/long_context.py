@@ -48,8 +48,7 @@ def main() -> None:
     model, tokenizer = load(smollm2_model_dir())
     lengths = [int(n) for n in args.lengths.split(",")]
     prompts = [
-        {"id": f"ctx-{n}", "category": "long", "prompt": long_prompt(tokenizer, n)}
-        for n in lengths
+        {"id": f"ctx-{n}", "category": "long", "prompt": long_prompt(tokenizer, n)} for n in lengths
     ]
     results = {}
     for window in [None] + [int(w) for w in args.windows.split(",")]:
