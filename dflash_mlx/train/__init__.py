@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-prompts", type=int, default=3)
     p.add_argument("--eval-max-tokens", type=int, default=64)
+    p.add_argument(
+        "--val-seqs", type=int, default=0, help="hold out the last N sequences for validation"
+    )
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("export", parents=[common], help="write the trained drafter")
@@ -136,8 +139,15 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     features = load_features(work / "features", len(records))
     data = [Sequence(np.array(r["ids"]), r["start"], **f) for r, f in zip(records, features)]
 
-    print(f"{len(data)} sequences, {sum(len(s.ids) - s.start for s in data)} reply tokens")
-    vocab = None if args.full_vocab else np.unique(np.concatenate([s.ids for s in data]))
+    if not 0 <= args.val_seqs < len(data):
+        raise ValueError(f"--val-seqs must be in [0, {len(data)}), got {args.val_seqs}")
+    val = data[len(data) - args.val_seqs :] if args.val_seqs else []
+    data = data[: len(data) - len(val)]
+    print(
+        f"{len(data)} sequences, {sum(len(s.ids) - s.start for s in data)} reply tokens; "
+        f"{len(val)} held out for validation"
+    )
+    vocab = None if args.full_vocab else np.unique(np.concatenate([s.ids for s in data + val]))
     cfg = TrainConfig(
         steps=args.steps,
         seqs_per_step=args.seqs_per_step,
@@ -167,7 +177,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     def eval_fn(d):
         return decode_tau(model, d, tokenizer, held_out[: args.eval_prompts], args.eval_max_tokens)
 
-    fit(trainer, data, ckpt, work / "train_log.jsonl", eval_fn)
+    fit(trainer, data, ckpt, work / "train_log.jsonl", eval_fn, val)
 
 
 def run_export(args: argparse.Namespace, work: Path) -> None:

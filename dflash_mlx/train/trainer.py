@@ -203,8 +203,8 @@ class Trainer:
         probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-9)
         return mx.array(np.maximum(index, 0)), mx.array(probs)
 
-    def train_step(self, pairs: list[tuple[Sequence, np.ndarray]]) -> dict:
-        """One AdamW step on the weighted mean cross-entropy of all blocks of `pairs`."""
+    def _batch(self, pairs: list[tuple[Sequence, np.ndarray]]) -> tuple[list, list]:
+        """The loss inputs of all blocks of `pairs`, and each block's label-validity mask."""
         labelled = [
             (seq, anchors, *block_labels(seq.ids, anchors, self.draft.config.block_size))
             for seq, anchors in pairs
@@ -221,13 +221,48 @@ class Trainer:
             )
             for seq, anchors, labels, ok in labelled
         ]
+        return batch, [ok for *_, ok in labelled]
+
+    def train_step(self, pairs: list[tuple[Sequence, np.ndarray]]) -> dict:
+        """One AdamW step on the weighted mean cross-entropy of all blocks of `pairs`."""
+        batch, valid = self._batch(pairs)
         (loss, hits), grads = self._grad(batch)
         grads, grad_norm = optim.clip_grad_norm(grads, self.cfg.clip)
         self.optimizer.update(self.draft, grads)
         mx.eval(self.draft.parameters(), self.optimizer.state, loss, hits)
         self.step += 1
-        stats = hit_stats(hits, [ok for *_, ok in labelled])
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats}
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), **hit_stats(hits, valid)}
+
+    def validate(self, data: list[Sequence], chunk: int = 4) -> dict:
+        """Loss, accuracy and implied tau on held-out sequences, fixed anchors, no update.
+
+        The replies are the target's own greedy output, so the accepted prefix
+        of a block here is exactly what decoding would accept from that anchor.
+        """
+        losses, hits, valid = [], [], []
+        for i in range(0, len(data), chunk):
+            pairs = [
+                (seq, self.val_anchors(i + j, seq)) for j, seq in enumerate(data[i : i + chunk])
+            ]
+            loss, h, ok = self.block_hits(pairs)
+            losses.append(loss)
+            hits.append(h)
+            valid += ok
+        stats = hit_stats(mx.array(np.concatenate(hits)), valid)
+        return {"loss": float(np.mean(losses)), **stats}
+
+    def block_hits(
+        self, pairs: list[tuple[Sequence, np.ndarray]]
+    ) -> tuple[float, np.ndarray, list]:
+        """Loss, per-block hits (N, B-1) of the drafter's argmax, label-validity masks."""
+        batch, valid = self._batch(pairs)
+        loss, hits = self._loss(batch)
+        return loss.item(), np.array(hits), valid
+
+    def val_anchors(self, index: int, seq: Sequence) -> np.ndarray:
+        """Fixed anchors of validation sequence `index` (the same at every evaluation)."""
+        rng = np.random.default_rng([self.cfg.seed, 1 << 20, index])
+        return sample_anchors(seq.start, len(seq.ids), self.cfg.blocks_per_seq, rng)
 
     def save(self, path: Path) -> None:
         """Drafter weights, optimizer state and step, written to a temp dir then swapped in."""
@@ -285,6 +320,7 @@ def fit(
     ckpt: Path,
     log: Path,
     eval_fn=None,
+    val: list[Sequence] | None = None,
 ) -> None:
     """Train to `cfg.steps`, checkpointing every `save_every` steps and at the end.
 
@@ -317,7 +353,13 @@ def fit(
             if eval_fn and cfg.eval_every and step % cfg.eval_every == 0:
                 stats["eval_tau"] = eval_fn(trainer.draft)
                 bar.write(f"step {step}: eval tau {stats['eval_tau']:.2f}")
-            if step % cfg.log_every == 0 or "eval_tau" in stats:
+            if val and cfg.eval_every and step % cfg.eval_every == 0:
+                stats["val"] = trainer.validate(val)
+                bar.write(
+                    f"step {step}: validation loss {stats['val']['loss']:.3f} "
+                    f"acc@1 {stats['val']['acc'][0]:.2f} tau~{stats['val']['tau_est']:.2f}"
+                )
+            if step % cfg.log_every == 0 or "eval_tau" in stats or "val" in stats:
                 f.write(json.dumps(stats) + "\n")
                 f.flush()
             if step % cfg.save_every == 0 or step == cfg.steps:
