@@ -86,15 +86,19 @@ def load_draft(
     dtype: mx.Dtype | None = None,
     kernels: str = "auto",
     context_window: int | None = None,
+    full_vocab: bool = False,
 ) -> DFlashDraft:
     """Load a DFlash drafter from a local directory or a hub id, in either layout.
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on Metal.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
     `context_window` keeps the drafter's attention to the last W context positions.
+    `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     config = DFlashConfig.from_dict(read_config(path))
+    if full_vocab:
+        config.draft_vocab = None
     weights = read_weights(path)
     model = DFlashDraft(config, kernels, context_window)
     if config.quantization:
@@ -172,6 +176,22 @@ def init_draft(
     draft.set_dtype(default_dtype() or mx.bfloat16)
     mx.eval(draft.parameters())
     return draft
+
+
+def set_draft_vocab(path: str | Path, token_ids: list[int] | None) -> None:
+    """Let the drafter saved at `path` propose only `token_ids` (None: every token again).
+
+    Only config.json changes: the weights do not depend on the draft vocabulary.
+    """
+    config_file = Path(path) / "config.json"
+    config = read_config(Path(path))
+    config.pop("draft_vocab", None)
+    dflash = config.setdefault("dflash_config", {})
+    dflash.pop("draft_vocab", None)
+    if token_ids is not None:
+        dflash["draft_vocab"] = sorted({int(t) for t in token_ids})
+    DFlashConfig.from_dict(config)
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def save_draft(model: DFlashDraft, out_dir: str | Path, card: str) -> Path:

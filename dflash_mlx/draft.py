@@ -65,6 +65,7 @@ class DFlashConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     quantization: dict | None = None
+    draft_vocab: list[int] | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
@@ -92,6 +93,15 @@ class DFlashConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope
+        draft_vocab = dflash.get("draft_vocab", cfg.get("draft_vocab"))
+        if draft_vocab is not None:
+            draft_vocab = sorted({int(t) for t in draft_vocab})
+            vocab_size = int(cfg["vocab_size"])
+            if not draft_vocab or not 0 <= draft_vocab[0] <= draft_vocab[-1] < vocab_size:
+                raise ValueError(
+                    f"drafter config.json: draft_vocab must be non-empty token ids in "
+                    f"[0, {vocab_size})"
+                )
         layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
         if len(layer_types) != n_layers:
             raise ValueError(
@@ -118,10 +128,16 @@ class DFlashConfig:
             layer_types=list(layer_types),
             sliding_window=cfg.get("sliding_window"),
             quantization=cfg.get("quantization"),
+            draft_vocab=draft_vocab,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The published layout's schema, with θ top-level and layer ids explicit."""
+        """The published layout's schema, with θ top-level and layer ids explicit.
+
+        `draft_vocab` (the token ids the drafter may propose; None: all) lives in
+        `dflash_config` as our extension: a runtime that does not know it ignores it
+        and drafts over the whole vocabulary, which costs speed, never output.
+        """
         out = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -146,6 +162,8 @@ class DFlashConfig:
                 "mask_token_id": self.mask_token_id,
             },
         }
+        if self.draft_vocab is not None:
+            out["dflash_config"]["draft_vocab"] = self.draft_vocab
         if self.quantization:
             out["quantization"] = self.quantization
         return out
@@ -303,5 +321,6 @@ class DFlashDraft(nn.Module):
         lm_head: Callable[[mx.array], mx.array],
         cache: list[KVCache],
     ) -> mx.array:
-        """Logits (L - 1, vocab) for the block's mask positions, through the target's head."""
+        """Logits (L - 1, vocab) for the block's mask positions, through the target's head
+        (restricted to the draft vocabulary: `TargetAdapter.draft_head`)."""
         return lm_head(self(embed(block[None]), cache)[0, 1:])

@@ -212,6 +212,7 @@ def _speculate(
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
     reused = prompt_cache.reuse(prompt)
     eos = set(tokenizer.eos_token_ids)
+    draft_head = target.draft_head(cfg.draft_vocab)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
 
@@ -226,7 +227,7 @@ def _speculate(
             if n > 1:
                 block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
                 drafts, draft_logprobs = verifier.propose(
-                    draft.draft_logits(block, target.embed_tokens, target.lm_head, draft_cache)
+                    draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)
                 )
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:

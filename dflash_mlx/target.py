@@ -15,7 +15,7 @@ is modified, so other models and other threads see mlx-lm unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -143,6 +143,52 @@ def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_position
     cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
+def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array], mx.array]:
+    """`head` (an LM head or a tied embedding) over the rows `token_ids` only.
+
+    The rows are sliced once, so the matmul costs len(token_ids) / vocab of the
+    full head's. Logits are scattered back into full-vocabulary rows of -inf
+    (0.2 ms for 15 x 49k on a CPU; a gather through an inverse index took 2.6 ms):
+    the sampling code sees ordinary logits, and tokens outside get probability
+    0, which keeps speculative sampling exact.
+    """
+    quantized = isinstance(head, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    if not quantized and not isinstance(head, nn.Linear | nn.Embedding):
+        raise ValueError(
+            f"cannot restrict an LM head of type {type(head).__name__} to a draft vocabulary; "
+            "load the drafter with full_vocab=True"
+        )
+    vocab = head.weight.shape[0]
+    if not token_ids or not 0 <= min(token_ids) <= max(token_ids) < vocab:
+        raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {vocab})")
+    ids = mx.array(token_ids)
+    rows = {name: w[ids] for name, w in head.items() if isinstance(w, mx.array)}
+    mx.eval(rows)
+
+    def project(x: mx.array) -> mx.array:
+        if quantized:
+            out = mx.quantized_matmul(
+                x,
+                rows["weight"],
+                scales=rows["scales"],
+                biases=rows.get("biases"),
+                transpose=True,
+                group_size=head.group_size,
+                bits=head.bits,
+                mode=head.mode,
+            )
+        else:
+            out = x @ rows["weight"].T
+        return out + rows["bias"] if "bias" in rows else out
+
+    def logits(x: mx.array) -> mx.array:
+        sub = project(x)
+        full = mx.full((*sub.shape[:-1], vocab), -mx.inf, dtype=sub.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(ids, sub.shape), sub, axis=-1)
+
+    return logits
+
+
 class TargetAdapter:
     """What the speculative loop needs from an mlx-lm model; families differ only in data."""
 
@@ -154,7 +200,8 @@ class TargetAdapter:
         self.layers = backbone.layers
         self.embedding = backbone.embed_tokens
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
-        self.lm_head = owner.lm_head if "lm_head" in owner else self.embedding.as_linear
+        self.head = owner.lm_head if "lm_head" in owner else self.embedding
+        self.lm_head = self.head if "lm_head" in owner else self.embedding.as_linear
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
 
@@ -162,6 +209,11 @@ class TargetAdapter:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
         h = self.embedding(tokens)
         return h if self.embed_scale is None else h * self.embed_scale
+
+    def draft_head(self, token_ids: list[int] | None) -> Callable[[mx.array], mx.array]:
+        """The head the drafter proposes through: the LM head, restricted to `token_ids`
+        if given. Build it once per generation: the restriction slices the weights."""
+        return self.lm_head if token_ids is None else restricted_head(self.head, token_ids)
 
     @property
     def hidden_size(self) -> int:

@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--published", default=None, help="also write the published layout here")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--card", default=None, help="model card markdown file (default: a stub)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="let the drafter propose only the N most frequent reply tokens (plus EOS and mask)",
+    )
 
 
 def work_dir(args: argparse.Namespace) -> Path:
@@ -192,6 +198,21 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     draft.load_weights(str(ckpt / "draft.safetensors"))
     mx.eval(draft.parameters())
     card = Path(args.card).read_text() if args.card else f"# DFlash drafter, step {state['step']}\n"
+    if args.draft_vocab:
+        from mlx_lm.utils import load_tokenizer
+
+        from ..checkpoint import read_config, resolve_path
+        from ..gguf import smollm2_model_dir
+        from ..target import TARGET_PATTERNS
+        from .data import read_records
+        from .export import top_tokens
+
+        target = resolve_path(args.model or smollm2_model_dir(), "target model", TARGET_PATTERNS)
+        tokenizer = load_tokenizer(target, eos_token_ids=read_config(target).get("eos_token_id"))
+        always = [*tokenizer.eos_token_ids, draft.config.mask_token_id]
+        records = read_records(work / "replies.jsonl")
+        draft.config.draft_vocab = top_tokens(records, args.draft_vocab, always)
+        print(f"draft vocabulary: {len(draft.config.draft_vocab)} tokens")
     print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
     if args.published:
         print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")
