@@ -530,7 +530,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
-    parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot file")
+    parser.add_argument("--plot", default=None, help="PNG plot file (default: --out as .png)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -600,8 +600,9 @@ def run(args: argparse.Namespace) -> None:
     }
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     report(results)
-    plot(results, args.plot)
-    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+    png = args.plot or str(Path(args.out).with_suffix(".png"))
+    plot(results, png)
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
