@@ -8,6 +8,7 @@ names; ours adds an optional `quantization` entry and stores a single
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -178,6 +179,14 @@ def init_draft(
     return draft
 
 
+def write_config(path: Path, config: dict) -> None:
+    """Indented JSON with lists of numbers on one line each: a draft vocabulary is
+    thousands of ids, one per line would make config.json unreadable."""
+    text = json.dumps(config, indent=2)
+    text = re.sub(r"\[\s+([-\d.,\s]+?)\s+\]", lambda m: f"[{' '.join(m.group(1).split())}]", text)
+    path.write_text(text + "\n")
+
+
 def set_draft_vocab(path: str | Path, token_ids: list[int] | None) -> None:
     """Let the drafter saved at `path` propose only `token_ids` (None: every token again).
 
@@ -191,14 +200,14 @@ def set_draft_vocab(path: str | Path, token_ids: list[int] | None) -> None:
     if token_ids is not None:
         dflash["draft_vocab"] = sorted({int(t) for t in token_ids})
     DFlashConfig.from_dict(config)
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    write_config(config_file, config)
 
 
 def save_draft(model: DFlashDraft, out_dir: str | Path, card: str) -> Path:
     """Write our converted layout: config.json, model.safetensors, README.md."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    write_config(out / "config.json", model.config.to_dict())
     mx.save_safetensors(
         str(out / "model.safetensors"),
         dict(tree_flatten(model.parameters())),

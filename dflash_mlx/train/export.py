@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checkpoint import save_draft
+from ..checkpoint import save_draft, write_config
 from ..draft import DFlashDraft
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -48,7 +47,7 @@ def export_published(draft: DFlashDraft, out: Path, dtype: str = "bfloat16") -> 
     out.mkdir(parents=True, exist_ok=True)
     config = {**draft.config.to_dict(), "torch_dtype": dtype}
     config.pop("quantization", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_config(out / "config.json", config)
     weights = {k: v.astype(DTYPES[dtype]) for k, v in tree_flatten(draft.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     return out
