@@ -8,6 +8,8 @@ pattern), it times whole cycles of `stream_generate` and, separately, a draft
 forward and a 16-position verify forward on their own (each forced to finish).
 With --baseline the same measurement runs from a git worktree of that commit,
 alternating with this tree in separate processes, so both see the same machine.
+The probe drafter drafts over the shipped drafter's vocabulary (`--vocab-from`)
+in trees that support a draft vocabulary, over the whole vocabulary otherwise.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.gguf import smollm2_model_dir
 from dflash_mlx.target import TargetAdapter
 
-max_tokens, block = int(sys.argv[1]), int(sys.argv[2])
+max_tokens, block, vocab = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 model, tok = load(smollm2_model_dir())
 draft = init_draft(model, num_layers=1, block_size=block, seed=0)
+reduced = vocab is not None and hasattr(draft.config, "draft_vocab")  # trees since 35c9c3f
+if reduced:
+    draft.config.draft_vocab = vocab
 messages = [{"role": "user", "content": "Write a Python function that merges two sorted lists."}]
 prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
 
@@ -57,8 +62,10 @@ def timed(fn, reps=15):
         t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
     return 1000 * statistics.median(ts)
 
+head = target.draft_head(draft.config.draft_vocab) if reduced else target.lm_head
+
 def draft_forward():
-    logits = draft.draft_logits(block_ids, target.embed_tokens, target.lm_head, dcache)
+    logits = draft.draft_logits(block_ids, target.embed_tokens, head, dcache)
     mx.eval(mx.argmax(logits, axis=-1))
 
 def verify_forward():
@@ -67,13 +74,14 @@ def verify_forward():
         c.trim(block)
 
 print(json.dumps({"cycle_ms": cycle_ms, "draft_ms": timed(draft_forward),
-                  "verify_ms": timed(verify_forward), "cycles": len(stamps) - 1}))
+                  "verify_ms": timed(verify_forward), "cycles": len(stamps) - 1,
+                  "draft_vocab": len(vocab) if reduced else None}))
 """
 
 
-def measure(tree: Path, max_tokens: int, block: int) -> dict:
+def measure(tree: Path, max_tokens: int, block: int, vocab: list[int] | None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(max_tokens), str(block)],
+        [sys.executable, "-c", PROBE, str(max_tokens), str(block), json.dumps(vocab)],
         cwd=tree,
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -96,7 +104,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--vocab-from",
+        default=str(ROOT / "dflash_mlx" / "drafters" / "smollm2-135m-instruct"),
+        help="drafter dir whose draft vocabulary the probe drafter uses (trees that support it)",
+    )
+    parser.add_argument("--full-vocab", action="store_true", help="draft over the whole vocab")
     args = parser.parse_args()
+    config = json.loads((Path(args.vocab_from) / "config.json").read_text())
+    vocab = None if args.full_vocab else config.get("dflash_config", {}).get("draft_vocab")
 
     trees = {"current": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +128,7 @@ def main() -> None:
             runs = {name: [] for name in trees}
             for _ in range(args.rounds):
                 for name, tree in trees.items():
-                    runs[name].append(measure(tree, args.max_tokens, args.block_size))
+                    runs[name].append(measure(tree, args.max_tokens, args.block_size, vocab))
         finally:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
@@ -120,7 +136,8 @@ def main() -> None:
     for name, s in results.items():
         print(
             f"{name:9s} cycle {s['cycle_ms']:6.1f} ms   draft {s['draft_ms']:5.1f} ms   "
-            f"verify {s['verify_ms']:6.1f} ms   cycle / (draft + verify) {s['overhead']:.2f}"
+            f"verify {s['verify_ms']:6.1f} ms   cycle / (draft + verify) {s['overhead']:.2f}   "
+            f"draft vocab {runs[name][0]['draft_vocab'] or 'full'}"
         )
     if "baseline" in results:
         ratio = results["baseline"]["cycle_ms"] / results["current"]["cycle_ms"]
