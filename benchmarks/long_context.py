@@ -21,7 +21,7 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.bench import bench
+from dflash_mlx.bench import bench, render
 from dflash_mlx.gguf import smollm2_model_dir
 
 SOURCES = ("textwrap", "calendar", "difflib", "fractions", "statistics", "shlex", "heapq")
@@ -30,9 +30,13 @@ QUESTION = "\n\nExplain what the code above does, one paragraph per main functio
 
 def long_prompt(tokenizer, length: int) -> str:
     """Stdlib source cut so that the chat-templated prompt has about `length` tokens."""
-    source = "\n\n".join(inspect.getsource(__import__(name)) for name in SOURCES)
-    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]))
-    ids = tokenizer.encode(source)[: max(1, length - overhead)]
+    overhead = len(render(tokenizer, QUESTION, chat=True))
+    budget, ids = max(1, length - overhead), []
+    for name in SOURCES:  # module by module: never tokenize more than the model's context
+        ids += tokenizer.encode(inspect.getsource(__import__(name)) + "\n\n")
+        if len(ids) >= budget:
+            break
+    ids = ids[:budget]
     return tokenizer.decode(ids) + QUESTION
 
 
