@@ -29,11 +29,11 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.bench import load_prompts, render
 from dflash_mlx.gguf import cache_dir, smollm2_model_dir
-from dflash_mlx.kernels import block_attention
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.data import read_records
 from dflash_mlx.train.export import top_tokens
@@ -66,16 +66,13 @@ def context(model, draft, target: TargetAdapter, ids: list[int]) -> list:
 
 
 def body(draft, h: mx.array, kv: list[tuple[mx.array, mx.array]]) -> mx.array:
-    """The drafter's forward with its context K/V as explicit inputs (compilable)."""
-    for layer, (ctx_k, ctx_v) in zip(draft.layers, kv):
-        attn, offset = layer.self_attn, ctx_k.shape[2]
-        x = layer.input_layernorm(h)
-        q = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=offset)
-        k, v = attn.keys_values(x, offset)
-        out = block_attention(q, ctx_k, ctx_v, k, v, attn.scale, backend=attn.kernels)
-        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(*h.shape[:2], -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.norm(h)
+    """The drafter's own forward, its context K/V passed as explicit inputs (compilable)."""
+    caches = []
+    for keys, values in kv:
+        cache = KVCache()
+        cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+        caches.append(cache)
+    return draft(h, caches)
 
 
 def main() -> None:
