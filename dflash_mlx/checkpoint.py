@@ -198,8 +198,8 @@ def set_draft_vocab(path: str | Path, token_ids: list[int] | None) -> None:
     dflash = config.setdefault("dflash_config", {})
     dflash.pop("draft_vocab", None)
     if token_ids is not None:
-        dflash["draft_vocab"] = sorted({int(t) for t in token_ids})
-    DFlashConfig.from_dict(config)
+        dflash["draft_vocab"] = list(token_ids)
+        dflash["draft_vocab"] = DFlashConfig.from_dict(config).draft_vocab  # checked, sorted
     write_config(config_file, config)
 
 

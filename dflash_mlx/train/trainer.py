@@ -248,7 +248,7 @@ class Trainer:
             losses.append(loss)
             hits.append(h)
             valid += ok
-        stats = hit_stats(mx.array(np.concatenate(hits)), valid)
+        stats = hit_stats(np.concatenate(hits), valid)
         return {"loss": float(np.mean(losses)), **stats}
 
     def block_hits(
@@ -292,7 +292,7 @@ class Trainer:
         mx.eval(self.draft.parameters(), self.optimizer.state)
 
 
-def hit_stats(hits: mx.array, valid: list[np.ndarray]) -> dict:
+def hit_stats(hits: mx.array | np.ndarray, valid: list[np.ndarray]) -> dict:
     """Per-position accuracy and the acceptance length the hits imply (1 + accepted prefix)."""
     hits = np.array(hits) & np.concatenate(valid)
     ok = np.concatenate(valid)
@@ -350,10 +350,11 @@ def fit(
                 f"acc@1-4 {' '.join(f'{a:.2f}' for a in stats['acc'][:4])} "
                 f"tau~{stats['tau_est']:.2f}"
             )
-            if eval_fn and cfg.eval_every and step % cfg.eval_every == 0:
+            evaluate = cfg.eval_every and step % cfg.eval_every == 0
+            if evaluate and eval_fn:
                 stats["eval_tau"] = eval_fn(trainer.draft)
                 bar.write(f"step {step}: eval tau {stats['eval_tau']:.2f}")
-            if val and cfg.eval_every and step % cfg.eval_every == 0:
+            if evaluate and val:
                 stats["val"] = trainer.validate(val)
                 bar.write(
                     f"step {step}: validation loss {stats['val']['loss']:.3f} "
