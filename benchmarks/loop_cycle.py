@@ -5,7 +5,8 @@
 
 On SmolLM2-135M (fp32) with a fixed random 1-layer drafter (a fixed acceptance
 pattern), it times whole cycles of `stream_generate` and, separately, a draft
-forward and a 16-position verify forward on their own (each forced to finish).
+forward and a 16-position verify forward on their own (each forced to finish),
+interleaved in each process (`--repeats`) so that a burst of load hits both.
 With --baseline the same measurement runs from a git worktree of that commit,
 alternating with this tree in separate processes, so both see the same machine.
 The probe drafter drafts over the shipped drafter's vocabulary (`--vocab-from`)
@@ -33,7 +34,8 @@ from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.gguf import smollm2_model_dir
 from dflash_mlx.target import TargetAdapter
 
-max_tokens, block, vocab = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+max_tokens, block, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+vocab = json.loads(sys.argv[4])
 model, tok = load(smollm2_model_dir())
 draft = init_draft(model, num_layers=1, block_size=block, seed=0)
 reduced = vocab is not None and hasattr(draft.config, "draft_vocab")  # trees since 35c9c3f
@@ -42,10 +44,10 @@ if reduced:
 messages = [{"role": "user", "content": "Write a Python function that merges two sorted lists."}]
 prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
 
-stamps = []
-for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens):
-    stamps.append(time.perf_counter())
-cycle_ms = 1000 * statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:]))
+def cycle_times():
+    stamps = [time.perf_counter() for r in stream_generate(model, draft, tok, prompt,
+                                                            max_tokens=max_tokens)]
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
 target = TargetAdapter(model)
 cache, dcache = target.make_cache(), draft.make_cache()
@@ -73,15 +75,21 @@ def verify_forward():
     for c in cache:
         c.trim(block)
 
-print(json.dumps({"cycle_ms": cycle_ms, "draft_ms": timed(draft_forward),
-                  "verify_ms": timed(verify_forward), "cycles": len(stamps) - 1,
-                  "draft_vocab": len(vocab) if reduced else None}))
+cycles, drafts, verifies = [], [], []
+for _ in range(repeats):  # interleaved, so a burst of load on the machine hits both
+    cycles += cycle_times()
+    drafts.append(timed(draft_forward))
+    verifies.append(timed(verify_forward))
+print(json.dumps({"cycle_ms": 1000 * statistics.median(cycles),
+                  "draft_ms": statistics.median(drafts), "verify_ms": statistics.median(verifies),
+                  "cycles": len(cycles), "draft_vocab": len(vocab) if reduced else None}))
 """
 
 
-def measure(tree: Path, max_tokens: int, block: int, vocab: list[int] | None) -> dict:
+def measure(tree: Path, max_tokens: int, block: int, repeats: int, vocab: list[int] | None) -> dict:
+    args = [str(max_tokens), str(block), str(repeats), json.dumps(vocab)]
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(max_tokens), str(block), json.dumps(vocab)],
+        [sys.executable, "-c", PROBE, *args],
         cwd=tree,
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -104,6 +112,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="generations and solo timings per process"
+    )
     parser.add_argument(
         "--vocab-from",
         default=str(ROOT / "dflash_mlx" / "drafters" / "smollm2-135m-instruct"),
@@ -128,7 +139,9 @@ def main() -> None:
             runs = {name: [] for name in trees}
             for _ in range(args.rounds):
                 for name, tree in trees.items():
-                    runs[name].append(measure(tree, args.max_tokens, args.block_size, vocab))
+                    runs[name].append(
+                        measure(tree, args.max_tokens, args.block_size, args.repeats, vocab)
+                    )
         finally:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
