@@ -24,7 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .adaptive import AdaptiveBlock
 from .draft import DFlashDraft
 from .rollback import trim_caches
-from .sampling import Sampler, Verifier, make_verifier
+from .sampling import Sampler, Verdict, Verifier, make_verifier
 from .target import TargetAdapter
 
 PREFILL_STEP = 2048
@@ -221,7 +221,7 @@ def _speculate(
         def features() -> mx.array:
             return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
 
-        def launch(last: int, n: int) -> tuple[mx.array, mx.array, mx.array]:
+        def launch(last: int, n: int) -> tuple[mx.array, Verdict]:
             """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
             last_id = mx.array([last])
             if n > 1:
@@ -233,9 +233,9 @@ def _speculate(
             else:
                 drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
             logits = model(verify[None], cache=cache)[0]
-            choices, matches = verifier.verify(drafts, draft_logprobs, logits)
-            mx.async_eval(drafts, choices, matches)
-            return drafts, choices, matches
+            verdict = verifier.verify(drafts, draft_logprobs, logits)
+            mx.async_eval(drafts, verdict.choices, verdict.matches)
+            return drafts, verdict
 
         tic = time.perf_counter()
         for start in range(reused, len(prompt), PREFILL_STEP):
@@ -258,7 +258,7 @@ def _speculate(
             )
             if not finish:
                 n = min(policy.next_block_size() if policy else block_size, max_tokens - generated)
-                drafts, choices, matches = launch(committed[-1], n)
+                drafts, verdict = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -279,7 +279,7 @@ def _speculate(
             if finish:
                 return
 
-            draft_ids, choice_ids, match_flags = drafts.tolist(), choices.tolist(), matches.tolist()
+            draft_ids, match_flags = drafts.tolist(), verdict.matches.tolist()
             proposed, accepted = n - 1, 0
             while accepted < proposed and match_flags[accepted]:
                 accepted += 1
@@ -289,7 +289,7 @@ def _speculate(
             target.rollback(cache, n - accepted - 1)
             draft.append_context(features()[:, : accepted + 1], draft_cache)
             prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
-            committed = draft_ids[:accepted] + [choice_ids[accepted]]
+            committed = draft_ids[:accepted] + [verdict.token_after(accepted)]
 
 
 def generate(

@@ -13,12 +13,16 @@ Three rules, all lossless:
   Every emitted token is then distributed exactly as the target's own sample.
 
 Everything stays on the device; the loop reads `matches` and `choices` once.
+Full-vocabulary work is kept to what a cycle needs: on a CPU an `exp` costs
+~50 additions (`benchmarks/README.md`), so acceptance reads p and q only at the
+drafted tokens, and the residual is drawn for the one rejected position after
+the sync instead of for all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -36,7 +40,12 @@ def make_logprobs_transform(
     categorical(filtered / temperature); the same chain, renormalized, gives p.
     """
 
+    filtered = 0 < top_p < 1.0 or min_p != 0.0 or top_k > 0
+
     def transform(logits: mx.array) -> mx.array:
+        if not filtered:  # one normalisation instead of two: softmax(logits / T)
+            scaled = logits * (1.0 / temperature)
+            return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
@@ -50,23 +59,43 @@ def make_logprobs_transform(
     return transform
 
 
-def speculative_verify(
+def speculative_accept(
     drafts: mx.array, draft_logprobs: mx.array, target_logprobs: mx.array
-) -> tuple[mx.array, mx.array]:
-    """(choices, matches) for k drafts: matches[i] accepts draft i; choices[j] is the
-    token emitted at j if draft j is the first rejected (j = k: the bonus token)."""
-    p = mx.exp(target_logprobs)
-    q = mx.exp(draft_logprobs)
+) -> mx.array:
+    """matches[i]: draft i is accepted, with probability min(1, p(x) / q(x))."""
     index = drafts[:, None]
-    p_x = mx.take_along_axis(p[:-1], index, axis=-1)[:, 0]
-    q_x = mx.take_along_axis(q, index, axis=-1)[:, 0]
-    matches = mx.random.uniform(shape=p_x.shape) * q_x < p_x
-    residual = mx.maximum(p[:-1] - q, 0.0)
-    # p == q leaves no residual, but then every draft is accepted: sample p instead.
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:-1])
-    resampled = mx.random.categorical(mx.log(residual))
-    bonus = mx.random.categorical(target_logprobs[-1:])
-    return mx.concatenate([resampled, bonus]), matches
+    p_x = mx.exp(mx.take_along_axis(target_logprobs[: len(drafts)], index, axis=-1)[:, 0])
+    q_x = mx.exp(mx.take_along_axis(draft_logprobs, index, axis=-1)[:, 0])
+    return mx.random.uniform(shape=p_x.shape) * q_x < p_x
+
+
+def residual_sample(target_logprobs: mx.array, draft_logprobs: mx.array) -> mx.array:
+    """A sample of normalize(max(0, p - q)): the token emitted where a draft was rejected."""
+    p, q = mx.exp(target_logprobs), mx.exp(draft_logprobs)
+    residual = mx.maximum(p - q, 0.0)
+    # p == q leaves no residual, but then the draft is always accepted: sample p instead.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    return mx.random.categorical(mx.log(residual))
+
+
+@dataclass
+class Verdict:
+    """The target's verdict on k drafts, read by the host after one sync.
+
+    `matches[i]` accepts draft i; after j leading accepted drafts the token
+    committed is `choices[j]`. Speculative sampling draws only the bonus
+    (`choices[k]`) up front and leaves `resample(j)` for the rejected position.
+    """
+
+    matches: mx.array
+    choices: mx.array
+    resample: Callable[[int], int] | None = field(default=None, repr=False)
+
+    def token_after(self, accepted: int) -> int:
+        """The token committed after `accepted` leading drafts (read after the sync)."""
+        if self.resample is not None and accepted < self.choices.size - 1:
+            return self.resample(accepted)
+        return self.choices.tolist()[accepted]
 
 
 @dataclass
@@ -88,13 +117,20 @@ class Verifier:
 
     def verify(
         self, drafts: mx.array, draft_logprobs: mx.array | None, target_logits: mx.array
-    ) -> tuple[mx.array, mx.array]:
-        """(choices, matches): the accepted count is the number of leading matches,
-        and the token after them is `choices[accepted]`."""
+    ) -> Verdict:
+        """The verdict on `drafts` given the target's logits at [last token] + drafts."""
         if draft_logprobs is not None and self.rule == "speculative" and drafts.size:
-            return speculative_verify(drafts, draft_logprobs, self.transform(target_logits))
+            target_logprobs = self.transform(target_logits)
+            matches = speculative_accept(drafts, draft_logprobs, target_logprobs)
+            bonus = mx.random.categorical(target_logprobs[-1:])
+            undrawn = mx.zeros((len(drafts),), dtype=bonus.dtype)
+
+            def resample(j: int) -> int:
+                return residual_sample(target_logprobs[j], draft_logprobs[j]).item()
+
+            return Verdict(matches, mx.concatenate([undrawn, bonus]), resample)
         choices, _ = self.propose(target_logits)
-        return choices, drafts == choices[:-1].astype(drafts.dtype)
+        return Verdict(drafts == choices[:-1].astype(drafts.dtype), choices)
 
 
 def make_verifier(

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import make_logprobs_transform, make_verifier, speculative_verify
+from dflash_mlx.sampling import Verifier, make_logprobs_transform, make_verifier
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
 
@@ -60,18 +60,24 @@ def test_speculative_verify_emits_the_target_distribution():
     p = rng.dirichlet(np.ones(vocab), size=k + 1)
     q = rng.dirichlet(np.ones(vocab), size=k)
     p_log, q_log = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
+    verifier = Verifier(transform=lambda logits: logits)  # the "logits" are log p already
     mx.random.seed(1)
-    first, second, accepted = [], [], []
+    first, second, third, accepted = [], [], [], []
     for _ in range(6000):
         drafts = mx.random.categorical(q_log)
-        choices, matches = speculative_verify(drafts, q_log, p_log)
-        d, c, m = drafts.tolist(), choices.tolist(), matches.tolist()
-        first.append(d[0] if m[0] else c[0])
-        if m[0]:
-            second.append(d[1] if m[1] else c[1])
+        verdict = verifier.verify(drafts, q_log, p_log)
+        d, m = drafts.tolist(), verdict.matches.tolist()
+        n = 0 if not m[0] else 1 if not m[1] else 2
+        tokens = d[:n] + [verdict.token_after(n)]
+        first.append(tokens[0])
+        if n >= 1:
+            second.append(tokens[1])
+        if n == 2:
+            third.append(tokens[2])  # the bonus token, drawn from the last row of p
         accepted.append(m[0])
     assert chi2_pvalue(np.array(first), p[0]) > SIGNIFICANCE
     assert chi2_pvalue(np.array(second), p[1]) > SIGNIFICANCE
+    assert chi2_pvalue(np.array(third), p[2]) > SIGNIFICANCE
     expected_rate = np.minimum(p[0], q[0]).sum()  # speculative acceptance: sum of min(p, q)
     assert abs(np.mean(accepted) - expected_rate) < 4 * np.sqrt(expected_rate / 6000)
 
@@ -124,18 +130,25 @@ def test_generation_is_exact_in_distribution(loaded, setting):
     assert chi2_pvalue(np.array(second), expected) > SIGNIFICANCE
 
 
-def test_speculative_rule_accepts_more_than_matching(loaded):
-    model, tokenizer, draft = loaded("llama-tied-gqa")
-    rates = {}
-    for rule in ("speculative", "match"):
+def test_speculative_rule_accepts_more_than_matching():
+    """Acceptance of one draft: sum(min(p, q)) for speculative sampling, sum(p * q) for
+    matching the target's own sample; the first is never smaller."""
+    rng = np.random.default_rng(2)
+    p = rng.dirichlet(np.ones(8), size=2)
+    q = rng.dirichlet(np.ones(8), size=1)
+    p_log, q_log = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
+    expected = {"speculative": np.minimum(p[0], q[0]).sum(), "match": (p[0] * q[0]).sum()}
+    trials = 4000
+    for rule, rate in expected.items():
+        verifier = make_verifier(1.0, acceptance=rule)
+        verifier.transform = lambda logits: logits  # the "logits" are log p already
         mx.random.seed(5)
-        accepted = proposed = 0
-        for r in stream_generate(
-            model, draft, tokenizer, [5, 6, 7], max_tokens=200, temperature=1.0, acceptance=rule
-        ):
-            accepted, proposed = accepted + r.accepted, proposed + r.proposed
-        rates[rule] = accepted / proposed
-    assert rates["speculative"] > rates["match"]
+        hits = sum(
+            verifier.verify(mx.random.categorical(q_log), q_log, p_log).matches.item()
+            for _ in range(trials)
+        )
+        assert abs(hits / trials - rate) < 4 * np.sqrt(rate * (1 - rate) / trials), rule
+    assert expected["speculative"] > 1.5 * expected["match"]
 
 
 def test_bad_sampling_arguments():
