@@ -30,6 +30,7 @@ from dflash_mlx.train.trainer import (
     TrainConfig,
     Trainer,
     decode_tau,
+    grow_draft,
     make_draft,
     step_batch,
 )
@@ -240,3 +241,29 @@ def test_exports_load_and_agree(tiny, tmp_path):
         outs.append(d(mx.zeros((1, 8, 64)), cache))
     assert mx.allclose(outs[0], outs[1]).item() and mx.allclose(outs[0], outs[2]).item()
     assert (tmp_path / "ours" / "README.md").read_text() == "# card\n"
+
+
+def test_a_grown_drafter_starts_where_its_source_was_and_learns_in_its_new_layer(tiny):
+    model, _ = tiny
+    target = TargetAdapter(model)
+    source = make_draft(model, 1, TAPS, 8, seed=4)
+    source.norm.weight = source.norm.weight * 10  # away from the near-uniform start
+    grown = grow_draft(source, 3)
+    assert len(grown.layers) == 3 and grown.config.num_hidden_layers == 3
+    ids = np.random.default_rng(5).integers(0, 300, size=40)
+    feats = features_of(model, ids)
+    anchors = sample_anchors(5, 40, 6, np.random.default_rng(6))
+    hidden = [block_hidden(d, target.embed_tokens, feats, ids, anchors) for d in (source, grown)]
+    assert mx.abs(hidden[0] - hidden[1]).max().item() < 1e-5
+
+    trainer = Trainer(model, grown, TrainConfig(steps=2, warmup=1, lr=1e-3), vocab=None)
+    trainer.train_step(
+        [
+            (s, sample_anchors(s.start, len(s.ids), 4, np.random.default_rng(7)))
+            for s in tiny_data(model, n=2)
+        ]
+    )
+    new_out = dict(tree_flatten(grown.layers[2].parameters()))["mlp.down_proj.weight"]
+    assert mx.abs(new_out).max().item() > 0  # the identity layer is trained, not frozen
+    with pytest.raises(ValueError, match="shrink"):
+        grow_draft(grown, 2)

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("fit", parents=[common], help="train (resumes from WORK/ckpt)")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
     p.add_argument("--init-layers", type=_ints, default=None, help="target layers to copy")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this drafter (e.g. a shipped one); --layers above its depth appends "
+        "layers that start as the identity",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seqs-per-step", type=int, default=2)
@@ -122,6 +128,7 @@ def run_features(args: argparse.Namespace, work: Path) -> None:
 
 
 def run_fit(args: argparse.Namespace, work: Path) -> None:
+    import mlx.core as mx
     import numpy as np
 
     from ..bench import render
@@ -134,6 +141,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         Trainer,
         decode_tau,
         fit,
+        grow_draft,
         make_draft,
         scale_fc_to_features,
     )
@@ -168,12 +176,23 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         eval_every=args.eval_every,
     )
     ckpt = work / "ckpt"
-    draft = make_draft(model, args.layers, taps, args.block_size, args.init_layers, args.seed)
+    if args.init_from and not ckpt.exists():
+        from ..checkpoint import load_draft
+
+        draft = grow_draft(load_draft(args.init_from, dtype=mx.float32), args.layers)
+        if draft.config.target_layer_ids != taps:
+            raise ValueError(
+                f"{args.init_from} taps target layers {draft.config.target_layer_ids}, "
+                f"the cached features are of layers {taps}"
+            )
+        print(f"starting from {args.init_from} ({draft.config.num_hidden_layers} layers)")
+    else:
+        draft = make_draft(model, args.layers, taps, args.block_size, args.init_layers, args.seed)
     trainer = Trainer(model, draft, cfg, vocab)
     if ckpt.exists():
         trainer.load(ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}")
-    else:
+    elif not args.init_from:
         scale_fc_to_features(draft, [s.features for s in data[:32]])
     seen = {tuple(r["ids"][: r["start"]]) for r in records}
     candidates = build_prompts(10 * args.eval_prompts, seed=args.seed + 1000)

@@ -99,6 +99,30 @@ def make_draft(
     return draft
 
 
+def grow_draft(source: DFlashDraft, num_layers: int) -> DFlashDraft:
+    """`source` (float32) with layers appended that start as the identity.
+
+    The new layers' output projections are zero, so the grown drafter computes
+    exactly what `source` does and training continues from there instead of
+    from scratch (a trained drafter gains depth without losing what it learned).
+    """
+    cfg = source.config
+    added = num_layers - cfg.num_hidden_layers
+    if added < 0:
+        raise ValueError(
+            f"cannot shrink a {cfg.num_hidden_layers}-layer drafter to {num_layers} layers"
+        )
+    layer_types = cfg.layer_types + cfg.layer_types[-1:] * added
+    draft = DFlashDraft(replace(cfg, num_hidden_layers=num_layers, layer_types=layer_types))
+    draft.set_dtype(mx.float32)
+    draft.load_weights(tree_flatten(source.parameters()), strict=False)
+    for layer in draft.layers[cfg.num_hidden_layers :]:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    mx.eval(draft.parameters())
+    return draft
+
+
 def scale_fc_to_features(draft: DFlashDraft, features: list[mx.array]) -> None:
     """Divide each fc input column by that feature's typical magnitude.
 
