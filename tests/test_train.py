@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import helpers
@@ -30,6 +31,7 @@ from dflash_mlx.train.trainer import (
     TrainConfig,
     Trainer,
     decode_tau,
+    fit,
     grow_draft,
     make_draft,
     step_batch,
@@ -267,3 +269,17 @@ def test_a_grown_drafter_starts_where_its_source_was_and_learns_in_its_new_layer
     assert mx.abs(new_out).max().item() > 0  # the identity layer is trained, not frozen
     with pytest.raises(ValueError, match="shrink"):
         grow_draft(grown, 2)
+
+
+def test_fit_validates_from_its_start_point_and_checkpoints(tiny, tmp_path):
+    model, _ = tiny
+    data = tiny_data(model)
+    cfg = TrainConfig(
+        steps=4, seqs_per_step=2, blocks_per_seq=4, warmup=1, eval_every=2, save_every=2
+    )
+    trainer = Trainer(model, make_draft(model, 1, TAPS, 8, seed=1), cfg)
+    fit(trainer, data[:4], tmp_path / "ckpt", tmp_path / "log.jsonl", val=data[4:])
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "val" in e] == [0, 2, 4]
+    assert all(0 <= e["val"]["acc"][0] <= 1 and e["val"]["loss"] > 0 for e in log if "val" in e)
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 4

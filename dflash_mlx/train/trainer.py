@@ -354,7 +354,18 @@ def fit(
     cfg = trainer.cfg
     bar = tqdm(total=cfg.steps, initial=trainer.step, dynamic_ncols=True)
     window: list[dict] = []
+
+    def validate(step: int) -> dict:
+        scores = trainer.validate(val)
+        bar.write(
+            f"step {step}: validation loss {scores['loss']:.3f} "
+            f"acc@1 {scores['acc'][0]:.2f} tau~{scores['tau_est']:.2f}"
+        )
+        return scores
+
     with log.open("a") as f:
+        if val and cfg.eval_every and trainer.step < cfg.steps:  # where this run starts from
+            f.write(json.dumps({"step": trainer.step, "val": validate(trainer.step)}) + "\n")
         while trainer.step < cfg.steps:
             tic = time.perf_counter()
             pairs = step_batch(data, trainer.step, cfg, trainer.draft.config.block_size)
@@ -379,11 +390,7 @@ def fit(
                 stats["eval_tau"] = eval_fn(trainer.draft)
                 bar.write(f"step {step}: eval tau {stats['eval_tau']:.2f}")
             if evaluate and val:
-                stats["val"] = trainer.validate(val)
-                bar.write(
-                    f"step {step}: validation loss {stats['val']['loss']:.3f} "
-                    f"acc@1 {stats['val']['acc'][0]:.2f} tau~{stats['val']['tau_est']:.2f}"
-                )
+                stats["val"] = validate(step)
             if step % cfg.log_every == 0 or "eval_tau" in stats or "val" in stats:
                 f.write(json.dumps(stats) + "\n")
                 f.flush()
