@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from",
         default=None,
         help="start from this drafter (e.g. a shipped one); --layers above its depth appends "
-        "layers that start as the identity",
+        "layers that start as the identity. Use an --lr near its final one (3e-4 for the "
+        "shipped drafter): fresh AdamW moments at 1e-3 undid what it had learned",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=2000)
