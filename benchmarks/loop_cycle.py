@@ -3,10 +3,11 @@
     python benchmarks/loop_cycle.py                      # this tree
     python benchmarks/loop_cycle.py --baseline f523e60   # side by side with an older commit
 
-On SmolLM2-135M (fp32) with a fixed random 1-layer drafter (a fixed acceptance
-pattern), it times whole cycles of `stream_generate` and, separately, a draft
-forward and a 16-position verify forward on their own (each forced to finish),
-interleaved in each process (`--repeats`) so that a burst of load hits both.
+On SmolLM2-135M (fp32) with a fixed random drafter of the shipped shape (`--layers`,
+default 2; a fixed acceptance pattern), it times whole cycles of `stream_generate`
+and, separately, a draft forward and a 16-position verify forward on their own
+(each forced to finish), interleaved in each process (`--repeats`) so that a burst
+of load hits both.
 With --baseline the same measurement runs from a git worktree of that commit,
 alternating with this tree in separate processes, so both see the same machine.
 The probe drafter drafts over the shipped drafter's vocabulary (`--vocab-from`)
@@ -34,10 +35,10 @@ from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.gguf import smollm2_model_dir
 from dflash_mlx.target import TargetAdapter
 
-max_tokens, block, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-vocab = json.loads(sys.argv[4])
+max_tokens, block, repeats, layers = (int(a) for a in sys.argv[1:5])
+vocab = json.loads(sys.argv[5])
 model, tok = load(smollm2_model_dir())
-draft = init_draft(model, num_layers=1, block_size=block, seed=0)
+draft = init_draft(model, num_layers=layers, block_size=block, seed=0)
 reduced = vocab is not None and hasattr(draft.config, "draft_vocab")  # trees since 35c9c3f
 if reduced:
     draft.config.draft_vocab = vocab
@@ -86,10 +87,10 @@ print(json.dumps({"cycle_ms": 1000 * statistics.median(cycles),
 """
 
 
-def measure(tree: Path, max_tokens: int, block: int, repeats: int, vocab: list[int] | None) -> dict:
-    args = [str(max_tokens), str(block), str(repeats), json.dumps(vocab)]
+def measure(tree: Path, args: argparse.Namespace, vocab: list[int] | None) -> dict:
+    argv = [str(args.max_tokens), str(args.block_size), str(args.repeats), str(args.layers)]
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, *args],
+        [sys.executable, "-c", PROBE, *argv, json.dumps(vocab)],
         cwd=tree,
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2, help="probe drafter depth (shipped: 2)")
     parser.add_argument(
         "--repeats", type=int, default=3, help="generations and solo timings per process"
     )
@@ -139,9 +141,7 @@ def main() -> None:
             runs = {name: [] for name in trees}
             for _ in range(args.rounds):
                 for name, tree in trees.items():
-                    runs[name].append(
-                        measure(tree, args.max_tokens, args.block_size, args.repeats, vocab)
-                    )
+                    runs[name].append(measure(tree, args, vocab))
         finally:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
