@@ -17,9 +17,9 @@ prints, per category:
   `tests/test_train.py`) and its k = 1 hit rate per band of the target's p.
 
 τ is given along the decoding walk (tokens / cycles, as the bench counts it) and,
-for the drafter, also as the mean over all anchors, which is what the trainer's
-validation reports and which is higher: a long easy run is one cycle in decoding
-but many anchors in the mean.
+for the drafter, also as the mean over all anchors, which is higher: a long easy
+run is one cycle in decoding but many anchors in the mean (the trainer's
+validation reports both since session 4; before, only the mean over anchors).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dflash_mlx.bench import load_prompts
 from dflash_mlx.gguf import smollm2_model_dir
 from dflash_mlx.train.data import generate_replies
 from dflash_mlx.train.features import sequence_features
-from dflash_mlx.train.trainer import Sequence, TrainConfig, Trainer
+from dflash_mlx.train.trainer import Sequence, TrainConfig, Trainer, decode_walk
 
 ROOT = Path(__file__).resolve().parent.parent
 DRAFTER = ROOT / "dflash_mlx" / "drafters" / "smollm2-135m-instruct"
@@ -70,19 +70,6 @@ def accepted_if_right_where(right: np.ndarray, block_size: int) -> np.ndarray:
         run = right[a + 1 : a + block_size]
         out.append(np.argmin(run) if not run.all() else len(run))
     return np.array(out)
-
-
-def decode_walk(accepted: np.ndarray) -> tuple[int, int]:
-    """(tokens, cycles) of decoding that starts at reply token 0 and commits accepted + 1 a cycle.
-
-    Decoding's τ is tokens / cycles along this walk, not the mean over all anchors:
-    a long easy run is one cycle in decoding but many anchors in the mean.
-    """
-    pos, tokens, cycles = 0, 0, 0
-    while pos < len(accepted):
-        step = min(int(accepted[pos]) + 1, len(accepted) - pos)
-        pos, tokens, cycles = pos + step, tokens + step, cycles + 1
-    return tokens, cycles
 
 
 def walk_tau(walks: list[tuple[int, int]]) -> float:

@@ -31,6 +31,7 @@ from dflash_mlx.train.trainer import (
     TrainConfig,
     Trainer,
     decode_tau,
+    decode_walk,
     fit,
     grow_draft,
     make_draft,
@@ -211,7 +212,7 @@ def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     # anchor, the first cycle of stream_generate on the prefix accepts the same prefix.
     check = [s for s in data if len(s.ids) - s.start >= 24][0]
     check = Sequence(check.ids, check.start, features_of(model, check.ids))
-    anchors = trainer.val_anchors(0, check)
+    anchors = sample_anchors(check.start, len(check.ids), 16, np.random.default_rng(0))
     anchors = anchors[anchors + 8 <= len(check.ids)]
     _, hits, _ = trainer.block_hits([(check, anchors)])
     expected = np.cumprod(hits, axis=1).sum(1)
@@ -224,6 +225,26 @@ def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
         for a in anchors
     ]
     assert expected.max() > 0 and decoded == expected.tolist()
+
+    # And validation's tau follows decoding's path through the reply: tokens per verify cycle.
+    reply = check.ids[check.start :].tolist()
+    prompt = check.ids[: check.start].tolist()
+    responses = list(
+        dflash_mlx.stream_generate(
+            model, trainer.draft, tokenizer, prompt, block_size=8, max_tokens=len(reply)
+        )
+    )
+    assert [t for r in responses for t in r.tokens] == reply
+    scores = trainer.validate([check])
+    assert scores["tau_decode"] == pytest.approx((len(reply) - 1) / (len(responses) - 1))
+    assert scores["tau_est"] >= scores["tau_decode"] > 1
+
+
+def test_decode_walk_commits_accepted_plus_one_per_cycle():
+    # anchors 0..6: a cycle at 0 accepts 3 (commits 4), at 4 accepts 1 (commits 2), at 6 the
+    # last token; the anchors inside a committed run are skipped, as in decoding
+    assert decode_walk(np.array([3, 9, 9, 9, 1, 9, 5])) == (7, 3)
+    assert decode_walk(np.array([0, 0, 0])) == (3, 3)
 
 
 def test_exports_load_and_agree(tiny, tmp_path):
