@@ -269,6 +269,8 @@ class Trainer:
         losses, hits, valid, walks = [], [], [], []
         for seq in data:
             anchors = np.arange(seq.start, len(seq.ids) - 1)
+            if not len(anchors):  # a one-token reply: nothing to draft
+                continue
             loss, h, ok = self.block_hits([(seq, anchors)])
             losses.append(loss)
             hits.append(h)
