@@ -95,16 +95,13 @@ def main() -> None:
     )
     feats = sequence_features(model, [r["ids"] for r in records], draft.config.target_layer_ids)
     vocab = None if draft.config.draft_vocab is None else np.array(sorted(draft.config.draft_vocab))
-    cfg = TrainConfig(blocks_per_seq=max(len(r["ids"]) for r in records))
-    trainer = Trainer(model, draft, cfg, vocab)
+    trainer = Trainer(model, draft, TrainConfig(), vocab)
 
     by_cat: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for record, f in zip(records, feats):
         p = greedy_confidence(record, f)
         seq = Sequence(np.array(record["ids"]), record["start"], **f)
-        anchors = np.arange(record["start"], len(record["ids"]) - 1)
-        _, hits, valid = trainer.block_hits([(seq, anchors)])
-        accepted = np.cumprod(hits & valid[0], axis=1).sum(1)
+        _, hits, _, accepted = trainer.every_anchor(seq)
         for cat in (record["category"], "all"):
             d = by_cat[cat]
             d["p"].append(p)

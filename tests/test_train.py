@@ -240,6 +240,14 @@ def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     assert scores["tau_est"] >= scores["tau_decode"] > 1
 
 
+def test_validation_skips_replies_with_nothing_to_draft(tiny):
+    model, _ = tiny
+    seq = tiny_data(model, n=1)[0]
+    one_token = Sequence(seq.ids[:9], 8, seq.features[:9])  # the reply is a single token
+    trainer = Trainer(model, make_draft(model, 1, TAPS, 8, seed=1), TrainConfig())
+    assert trainer.validate([one_token, seq]) == trainer.validate([seq])
+
+
 def test_decode_walk_commits_accepted_plus_one_per_cycle():
     # anchors 0..6: a cycle at 0 accepts 3 (commits 4), at 4 accepts 1 (commits 2), at 6 the
     # last token; the anchors inside a committed run are skipped, as in decoding

@@ -268,17 +268,25 @@ class Trainer:
         """
         losses, hits, valid, walks = [], [], [], []
         for seq in data:
-            anchors = np.arange(seq.start, len(seq.ids) - 1)
-            if not len(anchors):  # a one-token reply: nothing to draft
+            if len(seq.ids) - seq.start < 2:  # a one-token reply: nothing to draft
                 continue
-            loss, h, ok = self.block_hits([(seq, anchors)])
+            loss, h, ok, accepted = self.every_anchor(seq)
             losses.append(loss)
             hits.append(h)
-            valid += ok
-            walks.append(decode_walk(np.cumprod(h & ok[0], axis=1).sum(1)))
+            valid.append(ok)
+            walks.append(decode_walk(accepted))
         tokens, cycles = np.sum(walks, axis=0)
         stats = hit_stats(np.concatenate(hits), valid)
         return {"loss": float(np.mean(losses)), **stats, "tau_decode": float(tokens / cycles)}
+
+    def every_anchor(self, seq: Sequence) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+        """Loss, hits and label-validity (N, B-1), and drafts accepted, from every reply anchor.
+
+        On a greedy reply the accepted counts are what decoding would accept at
+        each anchor (`decode_walk` turns them into decoding's tau).
+        """
+        loss, hits, (valid,) = self.block_hits([(seq, np.arange(seq.start, len(seq.ids) - 1))])
+        return loss, hits, valid, np.cumprod(hits & valid, axis=1).sum(1)
 
     def block_hits(
         self, pairs: list[tuple[Sequence, np.ndarray]]
