@@ -304,14 +304,14 @@ def bench(
     split: bool = True,
     chat: bool = True,
     seed: int = 0,
-    adaptive: bool = False,
+    adaptive: bool | None = None,
     acceptance_rule: str = "speculative",
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Run the interleaved benchmark; the JSON-ready results (config left to the caller)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    block_size = block_size or draft.config.block_size
+    max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
@@ -334,7 +334,7 @@ def bench(
         )
 
     encoded = [render(tokenizer, p["prompt"], chat) for p in prompts]
-    warm = min(max_tokens, 2 * block_size)
+    warm = min(max_tokens, 2 * max_block)
     for make in ([ar] if baseline else []) + [dflash]:
         measure(make(encoded[0], warm))
 
@@ -382,7 +382,7 @@ def bench(
         overall["prompts"] = len(records)
     if split:
         overall["split_ms"] = mean_split_ms(all_split)
-    sizes = sorted({1, max(1, block_size // 2), block_size})
+    sizes = sorted({1, max(1, max_block // 2), max_block})
     return {
         "verify_cost_ms": verify_cost(model, encoded[0], sizes),
         "prompts": records,
@@ -522,7 +522,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter block attention"
     )
     parser.add_argument(
-        "--adaptive", action="store_true", help="decode plainly while drafting does not pay"
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        help="choose each cycle's block size by measured cost "
+        "(default: on for greedy decoding without --block-size)",
     )
     parser.add_argument("--acceptance", default="speculative", choices=RULES)
     parser.add_argument(

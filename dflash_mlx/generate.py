@@ -153,7 +153,7 @@ def stream_generate(
     sampler: Sampler | None = None,
     prompt_cache: PromptCache | None = None,
     acceptance: str = "speculative",
-    adaptive: bool = False,
+    adaptive: bool | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -165,13 +165,19 @@ def stream_generate(
     target's own sample (also the rule for a custom `sampler`).
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
     pass the whole conversation as `prompt`; only the new part is prefilled.
-    `adaptive` decodes plainly (block 1) while drafting does not pay, probing
-    back later (see `adaptive.py`); the output is the same either way.
+    `adaptive` picks each cycle's block size, up to `block_size`, to maximise
+    the expected tokens per second from the acceptance and cycle times measured
+    so far (block 1 when drafting does not pay; see `adaptive.py`). The output
+    is the same either way, but which random draws a sampled cycle consumes
+    depends on its size, so by default it adapts only for greedy decoding with
+    no `block_size` given: a seeded sampled run stays reproducible.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if adaptive is None:
+        adaptive = block_size is None and temperature == 0 and sampler is None
     block_size = draft.config.block_size if block_size is None else block_size
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -191,7 +197,7 @@ def stream_generate(
     verifier = make_verifier(temperature, top_p, top_k, min_p, sampler, acceptance)
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
-    policy = AdaptiveBlock(block_size) if adaptive else None
+    policy = AdaptiveBlock(block_size) if adaptive and block_size > 1 else None
     return _speculate(
         target, draft, prompt_cache, tokenizer, prompt_ids, block_size, policy, max_tokens, verifier
     )

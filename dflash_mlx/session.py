@@ -46,8 +46,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument("--seed", type=int, help="random seed for sampling")
     parser.add_argument(
         "--adaptive",
-        action="store_true",
-        help="decode plainly while drafting does not pay, probing back later",
+        action=argparse.BooleanOptionalAction,
+        help="choose each cycle's block size by measured cost, up to --block-size or the "
+        "drafter's (default: on for greedy decoding without --block-size)",
     )
     parser.add_argument(
         "--acceptance",

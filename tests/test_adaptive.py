@@ -1,39 +1,95 @@
 """Adaptive drafting: falls back to plain decoding when drafting does not pay, probes back,
 and never changes the output."""
 
+import random
+
 import numpy as np
+import pytest
 from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 from dflash_mlx.adaptive import AdaptiveBlock
 
 
-def drive(policy: AdaptiveBlock, tau: int, cycle_s: float, step_s: float, cycles: int) -> list:
+def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
+    """Drive the policy with drafts accepted at position k with probability rates[k] and
+    cycles of size n costing cost(n) seconds; return (tokens per second, sizes chosen)."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
     sizes = []
     for _ in range(cycles):
         n = policy.next_block_size()
-        policy.record(n, 1 if n == 1 else tau, step_s if n == 1 else cycle_s)
+        accepted = 0
+        while accepted < n - 1 and rng.random() < rates[accepted]:
+            accepted += 1
+        policy.record(n, accepted + 1, cost(n))
+        tokens, seconds = tokens + accepted + 1, seconds + cost(n)
         sizes.append(n)
-    return sizes
+    return tokens / seconds, sizes
 
 
-def test_policy_falls_back_when_drafting_costs_more_and_backs_off_exponentially():
-    sizes = drive(AdaptiveBlock(16), tau=1, cycle_s=3.0, step_s=1.0, cycles=120)
-    assert sizes[:2] == [16, 16] and sizes[2:4] == [1, 1]  # warm-up, then measure a step
-    runs, current = [], None
-    for n in sizes[4:]:
-        if n == 1:
-            current = (current or 0) + 1
-        elif current:
-            runs.append(current)
-            current = None
-    assert runs[:3] == [16, 32, 64]  # each failed probe doubles the plain stretch
-    assert sizes[4 + 16] == 16 and sizes[4 + 16 + 1] == 1  # a one-cycle probe in between
+def fixed_rate(rates: list[float], cost, n: int) -> float:
+    """Expected tokens per second of a fixed block size n, computed directly."""
+    expected, run = 1.0, 1.0
+    for rate in rates[: n - 1]:
+        run *= rate
+        expected += run
+    return expected / cost(n)
 
 
-def test_policy_keeps_drafting_when_it_pays():
-    sizes = drive(AdaptiveBlock(16), tau=6, cycle_s=3.0, step_s=1.0, cycles=60)
-    assert sizes.count(1) == 2  # only the one measurement of a plain step
+def cpu_cost(n: int) -> float:  # this CPU: each verified position adds ~7 % of a step
+    return 1.0 + 0.07 * (n - 1)
+
+
+def gpu_cost(n: int) -> float:  # a GPU: more than one position costs a flat premium
+    return 1.0 if n == 1 else 1.7
+
+
+WEAK = [0.39, 0.36, 0.36] + [0.1] * 12  # the shipped SmolLM2 drafter's conditional acceptance
+STRONG = [0.9] * 15
+NEVER = [0.0] * 15
+
+
+@pytest.mark.parametrize(
+    "rates, cost, best",
+    [(WEAK, cpu_cost, {2, 3, 4}), (STRONG, gpu_cost, {16}), (NEVER, cpu_cost, {1})],
+    ids=["weak-drafter-cpu", "strong-drafter-gpu", "useless-drafter"],
+)
+def test_policy_settles_near_the_best_fixed_block_size(rates, cost, best):
+    rate, sizes = simulate(AdaptiveBlock(16), rates, cost, cycles=400)
+    settled = sizes[-200:]
+    assert sum(n in best for n in settled) > 0.85 * len(settled)
+    rates_fixed = {n: fixed_rate(rates, cost, n) for n in range(1, 17)}
+    assert rate >= 0.93 * max(rates_fixed.values())
+    # never worse than the better of plain decoding and the full block, but for exploring
+    assert rate >= 0.96 * max(rates_fixed[1], rates_fixed[16])
+
+
+def test_policy_follows_a_drafter_that_becomes_useless():
+    policy = AdaptiveBlock(16)
+    simulate(policy, STRONG, gpu_cost, cycles=100)
+    _, sizes = simulate(policy, NEVER, gpu_cost, cycles=100, seed=1)
+    assert sizes[-50:].count(1) > 45
+
+
+def test_acceptance_estimates_and_expected_tokens():
+    policy = AdaptiveBlock(4, prior_weight=0.0, decay=1.0)
+    for committed in (1, 2, 2, 4):  # drafts reached: 1, 2, 2, 3; accepted: 0, 1, 1, 3
+        policy.record(4, committed, 1.0)
+    a1, a2, a3 = policy.acceptance_rates()
+    assert (a1, a2, a3) == (3 / 4, 1 / 3, 1.0)
+    assert policy.expected_tokens(1) == 1.0
+    assert policy.expected_tokens(4) == pytest.approx(1 + a1 + a1 * a2 + a1 * a2 * a3)
+
+
+def test_untried_sizes_are_costed_between_measured_ones():
+    policy = AdaptiveBlock(16)
+    assert policy.next_block_size() == 16  # nothing measured: the drafter's block
+    policy.record(16, 1, 3.0)
+    assert policy.cost(8) == pytest.approx(1.5)  # proportional below the smallest measured
+    policy.record(2, 1, 1.0)
+    assert policy.cost(9) == pytest.approx(2.0)  # interpolated between 2 and 16
+    assert policy.cost(1) == pytest.approx(0.5)
 
 
 def test_adaptive_generation_is_lossless_and_switches(loaded):
