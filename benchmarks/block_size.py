@@ -1,0 +1,104 @@
+"""Fixed block sizes against the cost-chosen one, side by side with mlx-lm's decoding.
+
+For each prompt, mlx-lm's own `stream_generate` and DFlash at every fixed block
+size in `--sizes` and with the adaptive choice (`adaptive.py`) run one after the
+other in one process (each after a short warm-up), so a burst of load on this
+shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
+τ, and the block sizes the adaptive policy chose.
+
+    python benchmarks/block_size.py                          # shipped SmolLM2 drafter
+    python benchmarks/block_size.py --draft random           # a drafter that never helps
+    python benchmarks/block_size.py --context 2048 --limit 2 # long prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter
+
+# isort: off
+import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
+
+# isort: on
+
+import mlx.core as mx
+import mlx_lm
+from long_context import long_prompt
+
+from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
+from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
+from dflash_mlx.gguf import smollm2_model_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--draft", default=str(SHIPPED_DRAFTER), help="drafter dir or 'random'")
+    parser.add_argument("--sizes", default="1,2,3,4,16", help="fixed block sizes to compare")
+    parser.add_argument(
+        "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
+    )
+    parser.add_argument("--context", type=int, help="long prompts of about this many tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", help="JSON results")
+    args = parser.parse_args()
+
+    model, tokenizer = load(smollm2_model_dir())
+    if args.draft == "random":
+        draft = init_draft(model, num_layers=2, block_size=16, seed=0)
+    else:
+        draft = load_draft(args.draft)
+    if args.context:
+        texts = [long_prompt(tokenizer, args.context)] * args.limit
+    else:
+        texts = [DEFAULT_PROMPT] + [p["prompt"] for p in load_prompts(PROMPTS_FILE)]
+    prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
+    sizes = [int(n) for n in args.sizes.split(",")]
+    variants = ["mlx-lm", *map(str, sizes), "adaptive"]
+
+    def generate(variant: str, ids: list[int], n: int):
+        if variant == "mlx-lm":
+            return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
+        size = {"block_size": int(variant)} if variant != "adaptive" else {"adaptive": True}
+        return lambda: stream_generate(model, draft, tokenizer, ids, max_tokens=n, **size)
+
+    tps = {v: [] for v in variants}
+    tau = {v: [] for v in variants[1:]}
+    chosen: Counter[int] = Counter()
+    for i, ids in enumerate(prompts):
+        for variant in variants:
+            measure(generate(variant, ids, 8))
+            run = measure(generate(variant, ids, args.max_tokens))
+            tps[variant].append(throughput([run])["decode_tps"])
+            if variant != "mlx-lm":
+                tau[variant].append((len(run.tokens) - 1) / max(len(run.cycles), 1))
+            if variant == "adaptive":
+                chosen.update(proposed + 1 for _, _, proposed in run.cycles)
+        print(
+            f"prompt {i} ({len(ids)} tokens): "
+            + "  ".join(f"{v} {tps[v][-1] / tps['mlx-lm'][-1]:.2f}x" for v in variants[1:]),
+            flush=True,
+        )
+    summary = {
+        v: {
+            "speedup": statistics.mean(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
+            "decode_tps": statistics.mean(tps[v]),
+            "tau": statistics.mean(tau[v]) if v in tau else 1.0,
+        }
+        for v in variants
+    }
+    print(f"{'variant':>9} {'tok/s':>7} {'x mlx-lm':>9} {'tau':>5}")
+    for v, s in summary.items():
+        print(f"{v:>9} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['tau']:5.2f}")
+    share = {n: round(c / sum(chosen.values()), 3) for n, c in sorted(chosen.items())}
+    print(f"adaptive block sizes (share of cycles): {share}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": vars(args), "summary": summary, "chosen": share}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
