@@ -51,7 +51,7 @@ def make_logprobs_transform(
             logprobs = apply_top_p(logprobs, top_p)
         if min_p != 0.0:
             logprobs = apply_min_p(logprobs, min_p)
-        if top_k > 0:
+        if 0 < top_k < logprobs.shape[-1]:  # a top-k as wide as the row filters nothing
             logprobs = apply_top_k(logprobs, top_k)
         scaled = logprobs * (1.0 / temperature)
         return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
