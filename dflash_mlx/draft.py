@@ -558,14 +558,17 @@ class DFlashDraft(nn.Module):
             h = layer(h, c)
         return self.norm(h)
 
+    def embed_blocks(self, embed: Callable[[mx.array], mx.array], blocks: mx.array) -> mx.array:
+        """The drafter's input: the target's embedding of `blocks` times `input_embedding_scale`."""
+        h = embed(blocks)
+        scale = self.config.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
     def mask_hidden(
         self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Final hidden states (L - 1, hidden) of the block's mask positions."""
-        h = embed(block[None])
-        if self.config.input_embedding_scale != 1.0:
-            h = h * self.config.input_embedding_scale
-        return self(h, cache)[0, 1:]
+        return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
         """`lm_head(hidden)` times `output_multiplier`, soft-capped by `final_logit_softcapping`

@@ -4,6 +4,7 @@ convolution, the sliding-window rule and the candidate selector follow the refer
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import DFLASH2, read_config, reference_greedy, save_draft
@@ -295,3 +296,41 @@ def test_sampled_walk_keeps_speculative_sampling_exact():
         pairs.append(emitted[:2])
     pairs = np.array(pairs)
     assert chi2_pvalue(pairs[:, 0] * vocab + pairs[:, 1], (p1[:, None] * p2).ravel()) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_training_forward_equals_inference_for_dflash2_layers(is_causal):
+    """The all-blocks training forward (`BlockContext`) applies the convolutions per block and
+    the sliding/causal rule per query exactly as the cached inference forward does."""
+    from dflash_mlx.train.blocks import block_hidden, sample_anchors
+
+    fields = {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_hidden_layers": 2,
+        "sliding_window": 5,
+        "is_causal": is_causal,
+        "dflash_config": {
+            "mask_token_id": 49,
+            "target_layer_ids": [0],
+            "block_size": 6,
+            "input_embedding_scale": 0.5,
+            "conv_kernel_size": 2,
+            "conv_group_size": 8,
+        },
+    }
+    mx.random.seed(4)
+    draft = DFlashDraft(tiny_config(**fields))
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = mx.random.normal(conv.base_kernel.shape)
+    embed = nn.Embedding(50, 32)
+    ids = np.random.default_rng(0).integers(0, 49, size=30)
+    features = mx.random.normal((30, 32))
+    anchors = sample_anchors(3, 30, 8, np.random.default_rng(1))
+    hidden = block_hidden(draft, embed, features, ids, anchors)
+    for i, p in enumerate(anchors):
+        cache = draft.make_cache()
+        draft.append_context(features[None, :p], cache)
+        block = mx.array([int(ids[p])] + [49] * 5)
+        expected = draft(embed(block[None]) * 0.5, cache)[0]
+        assert mx.abs(expected - hidden[i]).max().item() < 1e-4
