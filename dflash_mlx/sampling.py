@@ -107,7 +107,10 @@ class Verifier:
     sampler: Sampler | None = None  # a user's own sampler (match rule only)
 
     def propose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        """Draft tokens and, for speculative sampling, their log-probabilities q."""
+        """Draft tokens from rows of scores and, for speculative sampling, their log-probs q.
+
+        The rows are drafter logits, or (DFlash 2) one walk step's candidate scores.
+        """
         if self.sampler is not None:
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), None
         if self.transform is None:
