@@ -1,20 +1,38 @@
-"""The DFlash block-diffusion drafter as a plain MLX module.
+"""The DFlash block-diffusion drafter (DFlash 1 and DFlash 2) as a plain MLX module.
 
 A draft layer is a Qwen3-style transformer layer whose attention takes its
 queries from the block (last committed token + mask tokens) and its keys and
 values from two sources: the fused target context features of every committed
 position (kept in a per-layer cache) and the block itself. Attention is not
-causal: every block position sees the whole context and the whole block.
+causal by default: every block position sees the whole context and the whole block.
 
 The drafter owns no embedding and no LM head: the caller embeds the block with
 the target's embedding and applies the target's LM head to the output, so the
 module knows nothing of the target's family.
+
+DFlash 2 (`DFlash2DraftModel`) is the same backbone plus, all switched on by
+config fields (a DFlash 1 config leaves them at their defaults, off):
+- `GroupedDynamicConv` around every attention and MLP sublayer
+  (`dflash_config.conv_kernel_size`, `conv_group_size`);
+- `CandidateSelector`, which keeps the top-K tokens per block position and walks
+  a path through them from the anchor token (`selector_top_k`, `selector_rank`);
+- `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`;
+- sliding-window layers with the reference's rule: a layer is causal inside the
+  block iff config `is_causal` says so, or, when it is absent, iff the layer is
+  `sliding_attention`; query i (absolute position P) sees key j iff P - j < window
+  (and j - P < window when not causal).
+Layout and math read from the public references: z-lab/dflash `dflash/model.py`
+(`GroupedDynamicCausalConv`, `CandidateSelector`, `_attention_mask`,
+`DFlash2DraftModel`) and `dflash/model_mlx.py`, its fixtures
+`tests/fixtures/dflash2-config.json` and `dflash2-safetensors-header.json`, and
+vLLM's `vllm/model_executor/models/qwen3_dflash2.py` (taps masked at the block start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -66,6 +84,24 @@ class DFlashConfig:
     sliding_window: int | None = None
     quantization: dict | None = None
     draft_vocab: list[int] | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def is_dflash2(self) -> bool:
+        return bool(self.conv_kernel_size or self.selector_top_k)
+
+    def layer_is_causal(self, index: int) -> bool:
+        """The reference's rule: config `is_causal` if given, else causal iff sliding."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[index] == "sliding_attention"
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
@@ -74,6 +110,11 @@ class DFlashConfig:
         if missing:
             raise ValueError(f"drafter config.json lacks required field(s): {', '.join(missing)}")
         dflash = cfg.get("dflash_config") or {}
+
+        def draft_value(name: str, default: Any = None) -> Any:
+            """`dflash_config` first, then the top level, as the reference reads them."""
+            return dflash.get(name, cfg.get(name, default))
+
         n_layers = int(cfg["num_hidden_layers"])
         n_heads = int(cfg["num_attention_heads"])
         layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
@@ -108,6 +149,29 @@ class DFlashConfig:
                 f"drafter config.json: layer_types has {len(layer_types)} entries "
                 f"for {n_layers} layers"
             )
+        if "sliding_attention" in layer_types and not cfg.get("sliding_window"):
+            raise ValueError(
+                "drafter config.json has sliding_attention layers but no sliding_window"
+            )
+        dflash2 = {
+            name: int(draft_value(name) or 0)
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        }
+        if "DFlash2DraftModel" in (cfg.get("architectures") or []):
+            absent = [f"dflash_config.{k}" for k, v in dflash2.items() if not v]
+            if absent:
+                raise ValueError(f"DFlash2DraftModel config.json lacks {', '.join(absent)}")
+        if dflash2["conv_kernel_size"] and (
+            not dflash2["conv_group_size"] or int(cfg["hidden_size"]) % dflash2["conv_group_size"]
+        ):
+            raise ValueError(
+                f"drafter config.json: conv_group_size {dflash2['conv_group_size']} must divide "
+                f"hidden_size {cfg['hidden_size']}"
+            )
+        if bool(dflash2["selector_top_k"]) != bool(dflash2["selector_rank"]):
+            raise ValueError("drafter config.json: selector_top_k and selector_rank go together")
+        softcap = draft_value("final_logit_softcapping")
+        is_causal = cfg.get("is_causal")
         return cls(
             hidden_size=int(cfg["hidden_size"]),
             num_hidden_layers=n_layers,
@@ -116,7 +180,7 @@ class DFlashConfig:
             vocab_size=int(cfg["vocab_size"]),
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
-            block_size=int(cfg.get("block_size", 16)),
+            block_size=int(draft_value("block_size", 16)),
             target_layer_ids=[int(i) for i in layer_ids],
             mask_token_id=int(mask_token_id),
             num_target_layers=num_target_layers,
@@ -129,6 +193,11 @@ class DFlashConfig:
             sliding_window=cfg.get("sliding_window"),
             quantization=cfg.get("quantization"),
             draft_vocab=draft_vocab,
+            is_causal=None if is_causal is None else bool(is_causal),
+            input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+            output_multiplier=float(draft_value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            **dflash2,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,7 +208,7 @@ class DFlashConfig:
         and drafts over the whole vocabulary, which costs speed, never output.
         """
         out = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -162,11 +231,41 @@ class DFlashConfig:
                 "mask_token_id": self.mask_token_id,
             },
         }
+        dflash = out["dflash_config"]
+        if self.is_dflash2:
+            dflash["block_size"] = self.block_size
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                dflash[name] = getattr(self, name)
+        for name, default in (
+            ("input_embedding_scale", 1.0),
+            ("output_multiplier", 1.0),
+            ("final_logit_softcapping", None),
+        ):
+            if getattr(self, name) != default:
+                dflash[name] = getattr(self, name)
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         if self.draft_vocab is not None:
-            out["dflash_config"]["draft_vocab"] = self.draft_vocab
+            dflash["draft_vocab"] = self.draft_vocab
         if self.quantization:
             out["quantization"] = self.quantization
         return out
+
+
+def key_mask(rows: mx.array, cols: mx.array, causal: bool, window: int | None) -> mx.array:
+    """Which keys (absolute positions `cols`) each query (positions `rows`) sees.
+
+    The reference's `_attention_mask`: causal keeps keys at or before the query;
+    a window keeps keys less than `window` positions before the query (and, when
+    not causal, less than `window` after it).
+    """
+    distance = rows[..., :, None] - cols[..., None, :]
+    visible = distance >= 0 if causal else mx.ones(distance.shape, dtype=mx.bool_)
+    if window is not None:
+        visible = visible & (distance < window)
+        if not causal:
+            visible = visible & (-distance < window)
+    return visible
 
 
 @dataclass
@@ -176,7 +275,8 @@ class BlockContext:
     Block i is batch row i and starts at position `offsets[i]`; `keys`/`values`
     (1, kv_heads, T, head_dim) hold the context of all T positions and `mask`
     (N, 1, 1, T) says which of them each block sees (those before its anchor).
-    A block always sees itself, and never another block.
+    A block always sees itself (within a causal or sliding layer's rule), and
+    never another block.
     """
 
     keys: mx.array
@@ -184,7 +284,15 @@ class BlockContext:
     offsets: mx.array
     mask: mx.array
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        causal: bool = False,
+        window: int | None = None,
+    ) -> mx.array:
         n, _, length, _ = queries.shape
         ctx_shape = (n, *self.keys.shape[1:])
         keys = mx.concatenate([mx.broadcast_to(self.keys, ctx_shape), keys], axis=2)
@@ -192,11 +300,25 @@ class BlockContext:
         own = mx.ones((n, 1, 1, length), dtype=mx.bool_)
         mask = mx.concatenate([self.mask, own], axis=-1)
         mask = mx.broadcast_to(mask, (n, 1, length, mask.shape[-1]))
+        if causal or window is not None:
+            rows = self.offsets[:, None] + mx.arange(length)
+            context = mx.broadcast_to(mx.arange(self.keys.shape[2]), (n, self.keys.shape[2]))
+            cols = mx.concatenate([context, rows], axis=1)
+            mask = mask & key_mask(rows, cols, causal, window)[:, None]
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig, window: int | None, kernels: str):
+    """`window` is our per-block context bound; `sliding_window` and `causal` the checkpoint's."""
+
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        window: int | None,
+        kernels: str,
+        sliding_window: int | None = None,
+        causal: bool = False,
+    ):
         super().__init__()
         self.kernels = kernels
         self.n_heads = cfg.num_attention_heads
@@ -204,6 +326,8 @@ class DraftAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.window = window
+        self.sliding_window = sliding_window
+        self.causal = causal
         dim, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
@@ -229,15 +353,36 @@ class DraftAttention(nn.Module):
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, offset)
         if isinstance(cache, BlockContext):
-            out = cache.attend(queries, keys, values, self.scale)
+            out = cache.attend(queries, keys, values, self.scale, self.causal, self.sliding_window)
         else:
-            start = 0 if self.window is None else max(0, offset - self.window)
-            ctx_keys = cache.keys[..., start:offset, :]
-            ctx_values = cache.values[..., start:offset, :]
-            out = block_attention(
+            out = self._attend_cached(queries, keys, values, cache, offset)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _attend_cached(
+        self, queries: mx.array, keys: mx.array, values: mx.array, cache: KVCache, offset: int
+    ) -> mx.array:
+        length = queries.shape[2]
+        start = 0 if self.window is None else max(0, offset - self.window)
+        if self.sliding_window is not None:  # no query sees further back than this
+            start = max(start, offset - self.sliding_window + 1)
+        ctx_keys = cache.keys[..., start:offset, :]
+        ctx_values = cache.values[..., start:offset, :]
+        window_bites = (
+            self.sliding_window is not None and offset + length - 1 - start >= self.sliding_window
+        )
+        if not (self.causal or window_bites):
+            return block_attention(
                 queries, ctx_keys, ctx_values, keys, values, self.scale, backend=self.kernels
             )
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        rows = offset + mx.arange(length)
+        mask = key_mask(
+            rows, mx.concatenate([mx.arange(start, offset), rows]), self.causal, self.sliding_window
+        )
+        keys = mx.concatenate([ctx_keys, keys], axis=2)
+        values = mx.concatenate([ctx_values, values], axis=2)
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.scale, mask=mask
+        )
 
 
 class MLP(nn.Module):
@@ -251,17 +396,118 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig, window: int | None, kernels: str):
+class GroupedDynamicConv(nn.Module):
+    """DFlash 2's grouped dynamic depthwise convolution along the block, around a sublayer.
+
+    `y = conv_1(f(conv_0(x)))` for the sublayer f and its (normed) input x, where
+    `conv_s(z)[t] = sum_k (base_kernel[s, k] + delta_s[t, k, g]) * z[t - k]`:
+    a static per-channel kernel plus a per-position, per-group correction, both
+    corrections projected from x (`kernel_projection`, channel c in group c // group_size).
+    Taps before the block start read zeros: each block is its own batch row.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
-        self.self_attn = DraftAttention(cfg, window, kernels)
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        groups = hidden_size // group_size
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * groups, bias=False)
+
+    def convolve(self, z: mx.array, delta: mx.array, side: int) -> mx.array:
+        """conv_side(z) with corrections `delta` (B, L, kernel_size, groups)."""
+        B, L, D = z.shape
+        groups = D // self.group_size
+        z = z.reshape(B, L, groups, self.group_size)
+        out = None
+        for tap in range(self.kernel_size):
+            shifted = z if tap == 0 else mx.pad(z, [(0, 0), (tap, 0), (0, 0), (0, 0)])[:, :L]
+            kernel = self.base_kernel[side, tap].reshape(groups, self.group_size)
+            term = (kernel + delta[:, :, tap, :, None]) * shifted
+            out = term if out is None else out + term
+        return out.reshape(B, L, D)
+
+    def __call__(self, x: mx.array, sublayer: Callable[[mx.array], mx.array]) -> mx.array:
+        delta = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, -1)
+        inner = sublayer(self.convolve(x, delta[:, :, 0], 0))
+        return self.convolve(inner, delta[:, :, 1], 1)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, index: int, window: int | None, kernels: str):
+        super().__init__()
+        sliding = cfg.layer_types[index] == "sliding_attention"
+        self.self_attn = DraftAttention(
+            cfg,
+            window,
+            kernels,
+            sliding_window=cfg.sliding_window if sliding else None,
+            causal=cfg.layer_is_causal(index),
+        )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.conv_kernel_size:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv = GroupedDynamicConv(*conv)
+            self.mlp_conv = GroupedDynamicConv(*conv)
+
+    def _sublayer(self, conv: str, f: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        return self[conv](x, f) if conv in self else f(x)
 
     def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attend = partial(self.self_attn, cache=cache)
+        h = x + self._sublayer("attention_conv", attend, self.input_layernorm(x))
+        return h + self._sublayer("mlp_conv", self.mlp, self.post_attention_layernorm(h))
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's path selector over the drafter's top-K tokens at each block position.
+
+    Candidate b at position t after token a scores `U_t(b) + <A[a] * (W h_t), B[b]>`:
+    U_t the drafter's logit, A and B the predecessor and successor codebooks
+    (vocab, rank), W the hidden projection (rank, hidden) and h_t the drafter's
+    final hidden state. The walk starts at the anchor (the last committed token)
+    and picks one candidate per position, which is the next position's predecessor.
+    """
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def walk(
+        self,
+        hidden: mx.array,
+        logits: mx.array,
+        anchor: mx.array,
+        choose: Callable[[mx.array], tuple[mx.array, mx.array | None]],
+    ) -> tuple[mx.array, mx.array | None]:
+        """The path's tokens (T,) and, if `choose` returns log-probabilities over the
+        candidates, log q (T, vocab): the walk's own distribution, -inf off the candidates.
+
+        `choose` maps a position's K scores to (index, log q or None): argmax for
+        greedy decoding, a sample for sampling. Nothing here syncs with the host.
+        """
+        k = min(self.top_k, logits.shape[-1])
+        candidates = mx.argpartition(logits, -k, axis=-1)[:, -k:]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        projected = self.hidden_projection(hidden)
+        successors = self.successor_codebook[candidates]
+        token, path, logqs = anchor, [], []
+        for t in range(candidates.shape[0]):
+            edges = successors[t] @ (self.predecessor_codebook[token] * projected[t])
+            index, logq = choose(unary[t] + edges)
+            token = mx.take(candidates[t], index)
+            path.append(token)
+            logqs.append(logq)
+        tokens = mx.stack(path)
+        if not logqs or logqs[0] is None:
+            return tokens, None
+        full = mx.full(logits.shape, -mx.inf, dtype=logqs[0].dtype)
+        return tokens, mx.put_along_axis(full, candidates, mx.stack(logqs), axis=-1)
 
 
 class DFlashDraft(nn.Module):
@@ -281,16 +527,14 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"context_window must be at least 1, got {context_window}")
         self.config = config
         n_features = len(config.target_layer_ids)
-        windows = [
-            min(filter(None, (config.sliding_window, context_window)), default=None)
-            if kind == "sliding_attention"
-            else context_window
-            for kind in config.layer_types
+        self.layers = [
+            DraftLayer(config, i, context_window, kernels) for i in range(config.num_hidden_layers)
         ]
-        self.layers = [DraftLayer(config, w, kernels) for w in windows]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(n_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.selector_top_k:
+            self.candidate_selector = CandidateSelector(config)
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
@@ -314,6 +558,30 @@ class DFlashDraft(nn.Module):
             h = layer(h, c)
         return self.norm(h)
 
+    def embed_blocks(self, embed: Callable[[mx.array], mx.array], blocks: mx.array) -> mx.array:
+        """The drafter's input: the target's embedding of `blocks` times `input_embedding_scale`."""
+        h = embed(blocks)
+        scale = self.config.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
+    def mask_hidden(
+        self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
+    ) -> mx.array:
+        """Final hidden states (L - 1, hidden) of the block's mask positions."""
+        return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
+
+    def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
+        """`lm_head(hidden)` times `output_multiplier`, soft-capped by `final_logit_softcapping`
+        (tokens outside a draft vocabulary stay at -inf)."""
+        cfg = self.config
+        logits = lm_head(hidden)
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        if cap:
+            logits = mx.where(logits == -mx.inf, logits, mx.tanh(logits / cap) * cap)
+        return logits
+
     def draft_logits(
         self,
         block: mx.array,
@@ -323,4 +591,24 @@ class DFlashDraft(nn.Module):
     ) -> mx.array:
         """Logits (L - 1, vocab) for the block's mask positions, through the target's head
         (restricted to the draft vocabulary: `TargetAdapter.draft_head`)."""
-        return lm_head(self(embed(block[None]), cache)[0, 1:])
+        return self.head_logits(self.mask_hidden(block, embed, cache), lm_head)
+
+    def propose(
+        self,
+        block: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        cache: list[KVCache],
+        choose: Callable[[mx.array], tuple[mx.array, mx.array | None]],
+    ) -> tuple[mx.array, mx.array | None]:
+        """Draft tokens (L - 1,) for the block's mask positions and their log-probabilities.
+
+        `choose` (a `Verifier.propose`) maps rows of scores to (ids, log q or None).
+        DFlash 1 applies it to the logits; DFlash 2 to each step of the selector's
+        walk, whose log q (over the candidates) keeps speculative sampling exact.
+        """
+        if "candidate_selector" not in self:
+            return choose(self.draft_logits(block, embed, lm_head, cache))
+        hidden = self.mask_hidden(block, embed, cache)
+        logits = self.head_logits(hidden, lm_head)
+        return self.candidate_selector.walk(hidden, logits, block[0], choose)

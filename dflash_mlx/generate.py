@@ -232,8 +232,8 @@ def _speculate(
             last_id = mx.array([last])
             if n > 1:
                 block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
-                drafts, draft_logprobs = verifier.propose(
-                    draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)
+                drafts, draft_logprobs = draft.propose(
+                    block, target.embed_tokens, draft_head, draft_cache, verifier.propose
                 )
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:

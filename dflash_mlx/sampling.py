@@ -51,7 +51,7 @@ def make_logprobs_transform(
             logprobs = apply_top_p(logprobs, top_p)
         if min_p != 0.0:
             logprobs = apply_min_p(logprobs, min_p)
-        if top_k > 0:
+        if 0 < top_k < logprobs.shape[-1]:  # a top-k as wide as the row filters nothing
             logprobs = apply_top_k(logprobs, top_k)
         scaled = logprobs * (1.0 / temperature)
         return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
@@ -107,7 +107,10 @@ class Verifier:
     sampler: Sampler | None = None  # a user's own sampler (match rule only)
 
     def propose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        """Draft tokens and, for speculative sampling, their log-probabilities q."""
+        """Draft tokens from rows of scores and, for speculative sampling, their log-probs q.
+
+        The rows are drafter logits, or (DFlash 2) one walk step's candidate scores.
+        """
         if self.sampler is not None:
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), None
         if self.transform is None:

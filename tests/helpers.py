@@ -126,8 +126,14 @@ def save_draft(
     dtype: str = "bfloat16",
     heads: int | None = None,
     kv_heads: int | None = None,
+    dflash2: dict | None = None,
 ) -> Path:
-    """A tiny random drafter in the published (z-lab) layout: bf16 safetensors, Qwen3 config."""
+    """A tiny random drafter in the published (z-lab) layout: bf16 safetensors, Qwen3 config.
+
+    `dflash2` (e.g. DFLASH2) makes it a DFlash 2 drafter with the names, shapes and
+    config fields of z-lab/dflash's tests/fixtures/dflash2-{config,safetensors-header}.json:
+    convolutions around every sublayer, a candidate selector, sliding layers.
+    """
     path.mkdir(parents=True, exist_ok=True)
     hidden = target_config["hidden_size"]
     heads = heads or target_config["num_attention_heads"]
@@ -158,6 +164,18 @@ def save_draft(
         w[p + "mlp.down_proj.weight"] = mat(hidden, inter)
         w[p + "input_layernorm.weight"] = norm(hidden)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if dflash2:
+            taps, groups = dflash2["conv_kernel_size"], hidden // dflash2["conv_group_size"]
+            for conv in ("attention_conv", "mlp_conv"):
+                base = 0.3 * rng.normal(size=(2, taps, hidden))
+                base[:, 0] += 1.0  # near an identity, so random activations stay tame
+                w[f"{p}{conv}.base_kernel"] = base
+                w[f"{p}{conv}.kernel_projection.weight"] = 0.3 * mat(2 * taps * groups, hidden)
+    if dflash2:
+        rank, vocab = dflash2["selector_rank"], target_config["vocab_size"]
+        w["candidate_selector.hidden_projection.weight"] = mat(rank, hidden)
+        w["candidate_selector.predecessor_codebook"] = rng.normal(size=(vocab, rank))
+        w["candidate_selector.successor_codebook"] = rng.normal(size=(vocab, rank))
     arrays = {k: mx.array(v.astype(np.float32)).astype(getattr(mx, dtype)) for k, v in w.items()}
 
     config = {
@@ -179,10 +197,19 @@ def save_draft(
     }
     if target_layer_ids is not None:
         config["dflash_config"]["target_layer_ids"] = target_layer_ids
-    if nested_rope:
+    if nested_rope or dflash2:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     else:
         config["rope_theta"] = 1e6
+    if dflash2:
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["is_causal"] = False
+        config["layer_types"] = ["sliding_attention"] * layers
+        config["sliding_window"] = dflash2["sliding_window"]
+        config["use_sliding_window"] = True
+        del config["block_size"]  # DFlash 2 keeps it in dflash_config
+        fields = {k: v for k, v in dflash2.items() if k != "sliding_window"}
+        config["dflash_config"].update(block_size=block_size, **fields)
     (path / "config.json").write_text(json.dumps(config))
     names = sorted(arrays)
     if shards == 1:
@@ -196,6 +223,18 @@ def save_draft(
             index.update({k: file for k in part})
         (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     return path
+
+
+# DFlash 2 fields as published (Qwen3.8-27B-DFlash2), selector and window scaled down.
+DFLASH2 = {
+    "conv_group_size": 16,
+    "conv_kernel_size": 2,
+    "selector_rank": 8,
+    "selector_top_k": 16,
+    "output_multiplier": 0.5,
+    "final_logit_softcapping": 20.0,
+    "sliding_window": 12,
+}
 
 
 def read_config(path: Path) -> dict:

@@ -70,7 +70,7 @@ def block_hidden(
         contexts.append(BlockContext(keys, values, offsets, mask))
     block = np.full((len(anchors), cfg.block_size), cfg.mask_token_id, dtype=np.int32)
     block[:, 0] = ids[anchors]
-    return draft(embed(mx.array(block)), contexts)
+    return draft(draft.embed_blocks(embed, mx.array(block)), contexts)
 
 
 def block_loss(
