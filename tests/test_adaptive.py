@@ -1,5 +1,6 @@
-"""Adaptive drafting: falls back to plain decoding when drafting does not pay, probes back,
-and never changes the output."""
+"""Adaptive drafting: the block size chosen by measured cost settles near the best fixed size
+(plain decoding when drafting does not pay, the full block when it is nearly free), and never
+changes the output."""
 
 import random
 
@@ -102,9 +103,9 @@ def test_adaptive_generation_is_lossless_and_switches(loaded):
     tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=300, adaptive=True)
     assert tokens == expected
     proposed = [r.proposed for r in responses[1:]]
-    first_plain = proposed.index(0)
-    assert 15 in proposed[first_plain:]  # it probed back after falling back
-    assert proposed.count(0) > len(proposed) / 2  # a random drafter mostly does not pay
+    assert proposed[0] == 15  # nothing measured yet: the drafter's block
+    assert len(set(proposed)) > 2  # then other sizes, plain decoding among them
+    assert 0 in proposed
 
 
 def test_adaptive_with_a_perfect_drafter_stays_lossless(loaded):
