@@ -23,7 +23,8 @@ it measures, in ms and in mlx-lm decoding steps:
 - the target forward over 1, 2, 4, 8, 16 new positions after the prompt (the cache is
   trimmed back after each), by part. A part costs the full forward minus the same forward
   with that part replaced, on this model instance only and for that measurement only, by a
-  stand-in of the same output shape that does no work (its input, or zeros):
+  stand-in of the same output shape that does no work (its input, or its input's
+  first feature repeated):
   attention = the whole attention block (q/k/v/o projections, q/k norms, RoPE, cache
   update, SDPA), of which the q/k/v/o projections; the MLPs; norms and RoPE (every RMSNorm
   and RoPE, so it overlaps the attention block); the LM head; other = full - attention -
@@ -175,24 +176,28 @@ class Passthrough(nn.Module):
         return x
 
 
-class Zeros(nn.Module):
-    """Stand-in for a projection: zeros of its output width."""
+class Widened(nn.Module):
+    """Stand-in for a projection: its input's first feature repeated to the output width.
+
+    No matmul, but the result still depends on the input: a stand-in returning fresh
+    zeros would let lazy evaluation skip everything before it.
+    """
 
     def __init__(self, width: int):
         super().__init__()
         self.width = width
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        return mx.zeros((*x.shape[:-1], self.width), dtype=x.dtype)
+        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], self.width))
 
 
 class HeadlessEmbedding(nn.Module):
-    """Stand-in for a tied embedding: embeds as before; used as the LM head, returns zeros."""
+    """Stand-in for a tied embedding: embeds as before; as the LM head, it does no matmul."""
 
     def __init__(self, embedding: nn.Module, vocab: int):
         super().__init__()
         self.embedding = embedding
-        self.head = Zeros(vocab)
+        self.head = Widened(vocab)
 
     def __call__(self, ids: mx.array) -> mx.array:
         return self.embedding(ids)
@@ -214,14 +219,14 @@ def ablations(model: nn.Module) -> dict[str, tuple[Pick, Make]]:
     names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     vocab = TargetAdapter(model).vocab_size
     if "lm_head" in names:
-        head: tuple[Pick, Make] = (lambda n, m: n == "lm_head", lambda m: Zeros(vocab))
+        head: tuple[Pick, Make] = (lambda n, m: n == "lm_head", lambda m: Widened(vocab))
     else:  # tied: the embedding is the head
         head = (lambda n, m: n == "embed_tokens", lambda m: HeadlessEmbedding(m, vocab))
     return {
         "attention": (lambda n, m: n == "self_attn", lambda m: Passthrough()),
         "attention_projections": (
             lambda n, m: n in PROJECTIONS,
-            lambda m: Zeros(m.weight.shape[0]),
+            lambda m: Widened(m.weight.shape[0]),
         ),
         "mlp": (lambda n, m: n == "mlp", lambda m: Passthrough()),
         "norms_rope": (lambda n, m: is_norm(m) or n == "rope", lambda m: Passthrough()),
