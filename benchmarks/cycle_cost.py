@@ -46,6 +46,7 @@ import random
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -381,21 +382,23 @@ class CycleCost:
         return 1e3 * (built - tic), 1e3 * (done - tic)
 
     def round(self, max_tokens: int, reps: int) -> dict[str, float]:
-        """Each timing once (repeated forwards: their median), keyed by name."""
+        """Each timing once, keyed by name; the forwards `reps` times each (their median),
+        every variant once per repetition so that a burst of load hits them all."""
         out = {"mlx_lm_step": self.mlx_lm_step(max_tokens)}
         out["loop_block1"] = self.loop_block1(max_tokens)
         out["cycle"], accepted = self.cycle(max_tokens)
         out["accepted_per_cycle"] = statistics.mean(accepted)
-        out["draft"] = statistics.median(self.draft_forward() for _ in range(reps))
-        for n in self.positions:
-            builds, totals = zip(*(self.forward(n) for _ in range(reps)))
-            out[f"{n}/graph_build"], out[f"{n}/full"] = map(statistics.median, (builds, totals))
-            for name, (pick, make) in self.ablations.items():
-                with ablated(self.model, pick, make):
-                    out[f"{n}/without_{name}"] = statistics.median(
-                        self.forward(n)[1] for _ in range(reps)
-                    )
-        return out
+        times = defaultdict(list)
+        for _ in range(reps):
+            times["draft"].append(self.draft_forward())
+            for n in self.positions:
+                build, full = self.forward(n)
+                times[f"{n}/graph_build"].append(build)
+                times[f"{n}/full"].append(full)
+                for name, (pick, make) in self.ablations.items():
+                    with ablated(self.model, pick, make):
+                        times[f"{n}/without_{name}"].append(self.forward(n)[1])
+        return out | {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def summarize(rounds: list[dict[str, float]], bench: CycleCost) -> dict:
