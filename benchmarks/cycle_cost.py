@@ -304,7 +304,7 @@ class CycleCost:
     """Every measurement of one target and drafter; `round()` runs each once."""
 
     def __init__(self, model, tokenizer, draft, args: argparse.Namespace):
-        self.model, self.tokenizer, self.draft, self.args = model, tokenizer, draft, args
+        self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.block = args.block_size
         rng = random.Random(0)
         vocab = TargetAdapter(model).vocab_size
@@ -484,20 +484,20 @@ def report(results: dict) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
+    """Load the target and drafter, warm up, run the rounds; the results as written to JSON."""
     model, tokenizer = load_target(args)
     draft = make_draft(args, model)
     args.block_size = args.block_size or draft.config.block_size
     if args.max_tokens <= args.block_size + 2:
-        sys.exit(
-            f"cycle_cost.py: error: --max-tokens ({args.max_tokens}) must exceed the block "
-            f"size + 2 ({args.block_size + 2}) to time full cycles"
+        raise ValueError(
+            f"--max-tokens ({args.max_tokens}) must exceed the block size + 2 "
+            f"({args.block_size + 2}) to time full cycles"
         )
     bench = CycleCost(model, tokenizer, draft, args)
     bench.round(args.block_size + 3, reps=1)  # warm-up: kernels, buffers, caches
     rounds = [bench.round(args.max_tokens, args.reps) for _ in range(args.rounds)]
-    results = {
+    return {
         "config": {
             "target": args.model or args.shape,
             "weights": "checkpoint" if args.model else "random",
@@ -515,6 +515,14 @@ def main(argv: list[str] | None = None) -> None:
         },
         **summarize(rounds, bench),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        results = measure(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"cycle_cost.py: error: {exc}")
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

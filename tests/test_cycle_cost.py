@@ -74,3 +74,13 @@ def test_ablation_changes_only_this_instance_and_is_undone(name):
         assert not mx.array_equal(model(x), model(y))
         assert mx.array_equal(other(x), other_before)
     assert mx.array_equal(model(x), before)
+
+
+def test_script_rejects_a_budget_without_full_cycles_in_one_line():
+    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--max-tokens", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "cycle_cost.py: error: --max-tokens (10) must exceed the block size + 2 (18) "
+        "to time full cycles"
+    )
