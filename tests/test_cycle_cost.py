@@ -1,0 +1,86 @@
+"""benchmarks/cycle_cost.py: a real run reports every measurement; ablations stay per instance."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "cycle_cost.py"
+spec = importlib.util.spec_from_file_location("cycle_cost", SCRIPT)
+cycle_cost = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cycle_cost)
+
+ABLATIONS = {"attention", "attention_projections", "mlp", "norms_rope", "lm_head"}
+PARTS = ABLATIONS | {"other", "graph_build"}
+
+
+def run_script(*args: str) -> dict:
+    out = Path(args[args.index("--json") + 1])
+    cmd = [sys.executable, str(SCRIPT), "--rounds", "1", "--reps", "1", "--prompt-tokens", "8"]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "verify forward (synced)" in proc.stdout and "norm+rope" in proc.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("variant", ["random tiny, 4-bit", "model dir with drafter"])
+def test_script_reports_every_measurement(variant, make_pair, tmp_path):
+    out = str(tmp_path / "cost.json")
+    if variant == "random tiny, 4-bit":
+        args = ["--shape", "tiny", "--dtype", "bfloat16", "-q", "4", "--block-size", "4"]
+        results = run_script(*args, "--max-tokens", "10", "--positions", "1,2", "--json", out)
+        block = 4
+        assert results["config"]["q_bits"] == 4 and results["config"]["weights"] == "random"
+    else:  # qwen3 (q/k norms), untied LM head, the drafter's own block size (16)
+        target, draft = make_pair("qwen3-untied-mha")
+        args = ["--model", str(target), "--draft", str(draft), "--positions", "1"]
+        results = run_script(*args, "--max-tokens", "20", "--json", out)
+        block = 16
+        assert results["config"]["weights"] == "checkpoint"
+
+    step = results["mlx_lm_step"]["ms"]
+    cycle = results["cycle"]
+    assert cycle["block_size"] == block and cycle["accepted_per_cycle"] >= 0
+    for t in (
+        results["mlx_lm_step"],
+        results["loop_block1"],
+        *(cycle[k] for k in ("cycle", "draft", "verify")),
+    ):
+        assert t["ms"] > 0 and t["steps"] == pytest.approx(t["ms"] / step)
+    assert math.isfinite(cycle["host"]["ms"])
+    assert cycle["verify"]["ms"] == results["forward"][str(block)]["full"]["ms"]
+    assert set(results["forward"]) == ({"1", "2", "4"} if block == 4 else {"1", "16"})
+    for f in results["forward"].values():
+        assert f["full"]["ms"] > 0 and f["vs_one_position"] > 0
+        assert set(f["ablated_ms"]) == ABLATIONS and all(ms > 0 for ms in f["ablated_ms"].values())
+        assert set(f["parts_ms"]) == PARTS and f["parts_ms"]["graph_build"] > 0
+        assert all(math.isfinite(ms) for ms in f["parts_ms"].values())
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablation_changes_only_this_instance_and_is_undone(name):
+    model, other = cycle_cost.random_target("tiny"), cycle_cost.random_target("tiny")
+    x, y = mx.array([[1, 2, 3, 4]]), mx.array([[5, 6, 7, 8]])
+    before, other_before = model(x), other(x)
+    pick, make = cycle_cost.ablations(model)[name]
+    with cycle_cost.ablated(model, pick, make):
+        assert not mx.allclose(model(x), before)
+        # the stand-in keeps its input in the graph, else lazy evaluation would skip the rest
+        assert not mx.array_equal(model(x), model(y))
+        assert mx.array_equal(other(x), other_before)
+    assert mx.array_equal(model(x), before)
+
+
+def test_script_rejects_a_budget_without_full_cycles_in_one_line():
+    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--max-tokens", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "cycle_cost.py: error: --max-tokens (10) must exceed the block size + 2 (18) "
+        "to time full cycles"
+    )
