@@ -32,11 +32,29 @@ import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.server import ToolCallFormatter
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.background import BackgroundTask
 
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import (
+    ReplyStats,
+    add_model_arguments,
+    chat_prompt,
+    generation_kwargs,
+    json_object,
+    load_models,
+)
+from .stops import stop_at_strings
 from .target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -46,14 +64,57 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# Fields that change the output but that this server cannot honour: a request
+# setting one to anything but a value that changes nothing is refused, naming it.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("auto",),
+    "functions": (),
+    "function_call": (),
+    "xtc_probability": (0, 0.0),
+    "adapters": (),
+}
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: dict[str, Any]
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def parse_arguments(cls, value: Any) -> Any:
+        """OpenAI sends the arguments as a JSON string; templates want the object."""
+        return json.loads(value) if isinstance(value, str) else value
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (text content, parsed tool arguments)."""
+        message = self.model_dump(exclude_none=True)
+        if not isinstance(self.content, str):
+            message["content"] = "".join(p.text for p in self.content or [])
+        return message
 
 
 class StreamOptions(Strict):
@@ -65,24 +126,49 @@ class CompletionParams(Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    n: Literal[1] = 1
-    stop: None | Literal[""] | list[str] = Field(None, max_length=0)
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, harmless in UNSUPPORTED.items():
+                value = body.get(name)
+                if value is not None and value not in harmless:
+                    raise ValueError(f"{name}={json.dumps(value)} is not supported by this server")
+        return body
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
 
 
 class ChatRequest(CompletionParams):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TextRequest(CompletionParams):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def one_prompt(cls, prompt: Any) -> str | list[int]:
+        """A list of prompts is a batch; one prompt per request is served (n = 1)."""
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
+            return prompt[0]
+        return prompt
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -101,20 +187,24 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        return error(400, f"{where or 'body'}: {first['msg']}", where or None)
+        message = first["msg"].removeprefix("Value error, ")
+        return error(400, f"{where or 'body'}: {message}", where or None)
 
 
 class Worker:
     """Runs generations one at a time on a single thread; the model and cache live there."""
 
-    def __init__(self, model, tokenizer, draft, defaults: dict[str, Any]):
+    def __init__(
+        self, model, tokenizer, draft, defaults: dict[str, Any], template_kwargs: dict[str, Any]
+    ):
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
+        self.template_kwargs = template_kwargs
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
         self.cache = make_prompt_cache(model, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
 
-    def _run(self, prompt, kwargs, seed, stop: threading.Event, put) -> None:
+    def _run(self, prompt, kwargs, seed, stops, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
@@ -123,6 +213,7 @@ class Worker:
             responses = stream_generate(
                 self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
             )
+            responses = stop_at_strings(responses, stops)
             try:
                 for response in responses:
                     put(response)
@@ -137,16 +228,22 @@ class Worker:
             put(None)
 
     def submit(
-        self, prompt: list[int], kwargs: dict[str, Any], seed: int | None, stop: threading.Event
+        self,
+        prompt: list[int],
+        kwargs: dict[str, Any],
+        seed: int | None,
+        stops: list[str],
+        stop: threading.Event,
     ) -> AsyncIterator[GenerationResponse]:
-        """Queue a generation; iterate the result for its responses."""
+        """Queue a generation (ended early by any of `stops`); iterate the result for its
+        responses."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.executor.submit(self._run, prompt, kwargs, seed, stop, put)
+        self.executor.submit(self._run, prompt, kwargs, seed, stops, stop, put)
 
         async def responses() -> AsyncIterator[GenerationResponse]:
             try:
@@ -179,30 +276,22 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         body = await parse(request, ChatRequest)
         if isinstance(body, JSONResponse):
             return body
-        messages = [
-            {
-                "role": m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else "".join(p.text for p in m.content),
-            }
-            for m in body.messages
-        ]
+        messages = [m.for_template() for m in body.messages]
+        template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
         try:
-            prompt = chat_prompt(worker.tokenizer, messages)
+            prompt = chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs)
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             return error(400, f"messages: the chat template failed: {exc}", "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await complete(body, prompt, max_tokens, "chat.completion")
+        return await complete(body, prompt, "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, TextRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await complete(body, body.prompt, body.max_tokens, "text_completion")
+        return await complete(body, body.prompt, "text_completion")
 
-    async def complete(body: CompletionParams, prompt, max_tokens: int | None, kind: str):
+    async def complete(body: CompletionParams, prompt, kind: str):
         try:
             ids = encode_prompt(worker.tokenizer, prompt)
         except ValueError as exc:
@@ -215,7 +304,7 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 400, f"the prompt has {len(ids)} tokens; the context holds {worker.max_context}"
             )
         requested = {
-            "max_tokens": max_tokens,
+            "max_tokens": body.max_completion_tokens or body.max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
@@ -224,8 +313,9 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         kwargs = {**worker.defaults, **{k: v for k, v in requested.items() if v is not None}}
         kwargs["max_tokens"] = min(kwargs["max_tokens"], room or kwargs["max_tokens"])
         stop = threading.Event()
-        responses = worker.submit(ids, kwargs, body.seed, stop)
-        reply = Reply(kind, model_id, body.stream)
+        responses = worker.submit(ids, kwargs, body.seed, body.stops, stop)
+        tools = getattr(body, "tools", None)
+        reply = Reply(kind, model_id, body.stream, worker.tokenizer, ids, tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -235,7 +325,7 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             )
         try:
             async for response in responses:
-                reply.stats.add(response)
+                reply.add(response)
         except Exception as exc:
             return error(500, f"generation failed: {exc}")
         return reply.whole()
@@ -243,10 +333,35 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
     return app
 
 
-class Reply:
-    """The OpenAI response shapes for one request, plus DFlash stats under `dflash`."""
+def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
+    """Where the reply starts in mlx-lm's text state machine: "reasoning" when the prompt
+    opens a thinking block it does not close (as `mlx_lm.server` decides)."""
+    state = "normal"
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(
+        prompt
+    ):
+        state = "reasoning"
+    return tokenizer.response_initial_state or state
 
-    def __init__(self, kind: str, model_id: str, stream: bool):
+
+class Reply:
+    """The OpenAI response shapes for one request (as `mlx_lm.server` writes them), plus
+    DFlash stats under `dflash`.
+
+    A chat reply runs through mlx-lm's text state machine, which splits the text
+    into content, reasoning (thinking models) and tool calls (parsed by the
+    tokenizer's tool parser); a text completion is the raw text.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        model_id: str,
+        stream: bool,
+        tokenizer: TokenizerWrapper,
+        prompt: list[int],
+        tools: list[dict[str, Any]] | None = None,
+    ):
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.kind, self.model_id, self.stream = (
             f"{prefix}-{uuid.uuid4().hex}",
@@ -256,15 +371,71 @@ class Reply:
         )
         self.created = int(time.time())
         self.stats = ReplyStats()
+        self.chat = kind == "chat.completion"
+        if self.chat:
+            machine = make_text_state_machine(tokenizer)
+            self.state = machine.make_state(initial_state(tokenizer, prompt))
+        self.tool_calls = ToolCallFormatter(tokenizer.tool_parser, tools, stream)
+        self.made_tool_call, self.previous = False, None
+        self.content, self.reasoning, self.tool_text, self.calls = "", "", "", []
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        if self.kind == "text_completion":
-            content = {"text": text}
-        elif self.stream:
-            content = {"delta": {"content": text} if text else {}}
-        else:
-            content = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **content, "finish_reason": finish_reason, "logprobs": None}
+    def add(self, response: GenerationResponse) -> None:
+        """Take one response's text into content, reasoning and finished tool calls."""
+        self.stats.add(response)
+        if not self.chat:
+            self.content += response.text
+            return
+        self.state, segments = TextStateMachine.split(self.state, response.text)
+        if response.finish_reason == "stop":
+            self.state, current = TextStateMachine.discard(self.state)
+            segments.append((current, ""))
+        elif response.finish_reason == "length":
+            self.state, flushed, current = TextStateMachine.flush(self.state)
+            segments.append((current, flushed))
+        for state, text in segments:
+            if state == "reasoning":
+                self.reasoning += text
+            elif state == "tool":
+                self.tool_text += text
+            elif state == "normal":
+                if self.previous == "tool":
+                    self.end_tool_call()
+                self.content += text
+            self.previous = state
+        if response.finish_reason is not None and self.previous == "tool":
+            self.end_tool_call()
+
+    def end_tool_call(self) -> None:
+        if self.tool_text:
+            self.calls.append(self.tool_text)
+            self.made_tool_call = True
+        self.tool_text = ""
+
+    def finish_reason(self) -> str | None:
+        finish = self.stats.last.finish_reason if self.stats.last else None
+        return "tool_calls" if finish == "stop" and self.made_tool_call else finish
+
+    def take(self) -> tuple[str, str, list]:
+        """Content, reasoning and formatted tool calls gathered since the last take."""
+        taken = self.content, self.reasoning, self.tool_calls(self.calls)
+        self.content, self.reasoning, self.calls = "", "", []
+        return taken
+
+    def choice(self, finish_reason: str | None) -> dict:
+        text, reasoning, tool_calls = self.take()
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant"}
+        if not self.stream:
+            message["content"] = text or None  # the schema requires the field
+        elif text:
+            message["content"] = text
+        if reasoning:
+            message["reasoning"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        key = "delta" if self.stream else "message"
+        return {"index": 0, key: message, "finish_reason": finish_reason, "logprobs": None}
 
     def usage(self) -> dict:
         d = self.stats.as_dict()
@@ -276,7 +447,7 @@ class Reply:
         }
 
     def body(self, *choices: dict, **extra: Any) -> dict:
-        chunk = self.stream and self.kind == "chat.completion"
+        chunk = self.stream and self.chat
         return {
             "id": self.id,
             "object": f"{self.kind}.chunk" if chunk else self.kind,
@@ -287,26 +458,28 @@ class Reply:
         }
 
     def whole(self) -> dict:
-        finish = self.stats.last.finish_reason if self.stats.last else None
-        choice = self.choice(self.stats.text, finish)
+        choice = self.choice(self.finish_reason())
         return self.body(choice, usage=self.usage(), dflash=self.stats.as_dict())
 
     async def events(
         self, responses: AsyncIterator[GenerationResponse], include_usage: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per verify cycle, stats on the last, then [DONE]."""
+        """Server-sent events: a chunk per verify cycle with something to show (a tool
+        call once whole), stats on the last, then usage if asked, then [DONE]."""
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        if self.kind == "chat.completion":
-            yield event(self.body({**self.choice("", None), "delta": {"role": "assistant"}}))
+        if self.chat:
+            yield event(self.body(self.choice(None)))  # the role, before any text
         try:
             async for response in responses:
-                self.stats.add(response)
-                choice = self.choice(response.text, response.finish_reason)
-                last = response.finish_reason is not None
-                yield event(self.body(choice, **({"dflash": self.stats.as_dict()} if last else {})))
+                self.add(response)
+                if response.finish_reason is not None:
+                    choice = self.choice(self.finish_reason())
+                    yield event(self.body(choice, dflash=self.stats.as_dict()))
+                elif self.content or self.reasoning or self.calls:
+                    yield event(self.body(self.choice(None)))
         except Exception as exc:
             yield event({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
         if include_usage:
@@ -316,6 +489,13 @@ class Reply:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
+    parser.add_argument(
+        "--chat-template-args",
+        type=json_object,
+        default={},
+        help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}' """
+        "(a request's chat_template_kwargs override them)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
@@ -325,7 +505,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
-    worker = Worker(model, tokenizer, draft, generation_kwargs(args))
+    worker = Worker(model, tokenizer, draft, generation_kwargs(args), args.chat_template_args)
     app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

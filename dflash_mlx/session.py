@@ -7,6 +7,7 @@ import cycle through the dispatcher.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,11 +95,40 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict[str, str]]) -> str:
-    """The conversation rendered with the model's chat template, ready for the reply."""
+def chat_prompt(
+    tokenizer: TokenizerWrapper,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """The conversation rendered with the model's chat template, ready for the reply.
+
+    `tools` and `template_kwargs` (e.g. `enable_thinking=False`) reach the
+    template as in mlx-lm's `apply_chat_template`.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+
+
+def add_template_config_argument(parser: argparse.ArgumentParser) -> None:
+    """`--chat-template-config`, as `mlx_lm.generate` names it."""
+    parser.add_argument(
+        "--chat-template-config",
+        type=json_object,
+        default={},
+        help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}'""",
+    )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 @dataclass

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from test_cli import greedy_text
+from test_stops import stop_in
 
 PROMPTS = [
     "How many apples?",
@@ -166,6 +167,9 @@ def test_client_disconnect_stops_its_generation(server, client):
     assert "client gone: stopped after" in log.read_text()
 
 
+MESSAGES = b'{"messages": [{"role": "user", "content": "hi"}]}'
+
+
 @pytest.mark.parametrize(
     "path, body, message",
     [
@@ -176,7 +180,17 @@ def test_client_disconnect_stops_its_generation(server, client):
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"),
         ("/v1/completions", b'{"prompt": "hi", "temperature": -1}', "temperature"),
         ("/v1/completions", b'{"prompt": [1, 2, 999999]}', "vocabulary"),
-        ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n"),
+        ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n=3 is not supported"),
+        ("/v1/completions", b'{"prompt": ["hi", "yo"]}', "one prompt per request"),
+        ("/v1/completions", b'{"prompt": "hi", "echo": true}', "echo=true"),
+        ("/v1/completions", b'{"prompt": "hi", "xtc_probability": 0.5}', "xtc_probability"),
+        ("/v1/chat/completions", MESSAGES[:-1] + b', "tool_choice": "required"}', "tool_choice"),
+        (
+            "/v1/chat/completions",
+            MESSAGES[:-1] + b', "response_format": {"type": "json_object"}}',
+            "response_format",
+        ),
+        ("/v1/chat/completions", MESSAGES[:-1] + b', "stop": 5}', "stop"),
     ],
 )
 def test_malformed_requests_get_400_with_a_message(server, path, body, message):
@@ -188,3 +202,32 @@ def test_malformed_requests_get_400_with_a_message(server, path, body, message):
 def test_negative_max_tokens_is_a_bad_request_for_the_client(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         chat(client, "hi", max_tokens=-3)
+
+
+def test_stop_strings_end_the_reply_before_them_streaming_or_not(client, loaded):
+    reference, _ = greedy_text(loaded, PROMPTS[5], 40)
+    early, late = stop_in(reference, 6), stop_in(reference, 14)
+    expected = reference[: reference.index(early)]
+    reply = chat(client, PROMPTS[5], max_tokens=40, stop=[late, early])
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(chat(client, PROMPTS[5], max_tokens=40, stop=early, stream=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(pieces) == expected and not any(early in p for p in pieces)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    reference, _ = greedy_text(loaded, PROMPTS[5], 40, chat=False)
+    stop = stop_in(reference, 1)
+    completion = client.completions.create(model="d", prompt=PROMPTS[5], max_tokens=40, stop=stop)
+    assert completion.choices[0].text == reference[: reference.index(stop)]
+
+
+def test_list_prompt_and_max_completion_tokens(client, loaded):
+    text, n = greedy_text(loaded, PROMPTS[3], 9, chat=False)
+    completion = client.completions.create(model="d", prompt=[PROMPTS[3]], max_tokens=9)
+    assert completion.choices[0].text == text and completion.usage.completion_tokens == n
+    text, n = greedy_text(loaded, PROMPTS[4], 7)
+    reply = client.chat.completions.create(
+        model="d", messages=[{"role": "user", "content": PROMPTS[4]}], max_completion_tokens=7
+    )
+    assert reply.choices[0].message.content == text and reply.usage.completion_tokens == n
