@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from pydantic import (
@@ -47,12 +48,14 @@ from starlette.background import BackgroundTask
 
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
 from .session import (
+    PROCESSOR_SETTINGS,
     ReplyStats,
     add_model_arguments,
     chat_prompt,
     generation_kwargs,
     json_object,
     load_models,
+    processor_settings,
 )
 from .stops import stop_at_strings
 from .target import TargetAdapter
@@ -135,6 +138,22 @@ class CompletionParams(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, ge=0)
+    repetition_context_size: int | None = Field(None, ge=0)
+    presence_penalty: float | None = None
+    presence_context_size: int | None = Field(None, ge=0)
+    frequency_penalty: float | None = None
+    frequency_context_size: int | None = Field(None, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not all(k.isdigit() for k in bias):
+            raise ValueError("keys must be token ids")
+        return {int(k): v for k, v in bias.items()}
 
     @model_validator(mode="before")
     @classmethod
@@ -195,10 +214,18 @@ class Worker:
     """Runs generations one at a time on a single thread; the model and cache live there."""
 
     def __init__(
-        self, model, tokenizer, draft, defaults: dict[str, Any], template_kwargs: dict[str, Any]
+        self,
+        model,
+        tokenizer,
+        draft,
+        defaults: dict[str, Any],
+        template_kwargs: dict[str, Any],
+        processor_settings: dict[str, Any],
     ):
+        """`defaults`: `stream_generate` kwargs from the flags, which requests override;
+        `processor_settings` the flags' penalties, the base of a request's own."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
-        self.template_kwargs = template_kwargs
+        self.template_kwargs, self.processor_settings = template_kwargs, processor_settings
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
         self.cache = make_prompt_cache(model, draft)
@@ -312,6 +339,12 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         }
         kwargs = {**worker.defaults, **{k: v for k, v in requested.items() if v is not None}}
         kwargs["max_tokens"] = min(kwargs["max_tokens"], room or kwargs["max_tokens"])
+        settings = {k: getattr(body, k) for k in PROCESSOR_SETTINGS if getattr(body, k) is not None}
+        if any(not 0 <= t < worker.vocab_size for t in settings.get("logit_bias", {})):
+            return error(400, "logit_bias: token ids must be in the vocabulary", "logit_bias")
+        if settings:
+            settings = {**worker.processor_settings, **settings}
+            kwargs["logits_processors"] = make_logits_processors(**settings)
         stop = threading.Event()
         responses = worker.submit(ids, kwargs, body.seed, body.stops, stop)
         tools = getattr(body, "tools", None)
@@ -505,7 +538,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
-    worker = Worker(model, tokenizer, draft, generation_kwargs(args), args.chat_template_args)
+    worker = Worker(
+        model,
+        tokenizer,
+        draft,
+        generation_kwargs(args),
+        args.chat_template_args,
+        processor_settings(args),
+    )
     app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import init_draft, load_draft
@@ -56,6 +57,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         choices=RULES,
         help="when sampling: speculative sampling (exact) or accept only exact matches",
     )
+    penalties = parser.add_argument_group(
+        "logits processors (mlx-lm's make_logits_processors; the output stays lossless)"
+    )
+    penalties.add_argument(
+        "--logit-bias",
+        type=logit_bias,
+        help="""additive bias per token id as a JSON object, e.g. '{"42": -100}'""",
+    )
+    for name in ("repetition", "presence", "frequency"):
+        penalties.add_argument(f"--{name}-penalty", type=float, help=f"{name} penalty")
+        penalties.add_argument(
+            f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
+        )
 
 
 def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
@@ -81,9 +95,26 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
     return model, tokenizer, draft
 
 
+PROCESSOR_SETTINGS = (
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+)
+
+
+def processor_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `make_logits_processors` arguments the flags set."""
+    return {k: getattr(args, k) for k in PROCESSOR_SETTINGS if getattr(args, k) is not None}
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`stream_generate` keyword arguments from the flags (all but the prompt and cache)."""
     return dict(
+        logits_processors=make_logits_processors(**processor_settings(args)),
         block_size=1 if args.no_draft else args.block_size,
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -121,6 +152,11 @@ def add_template_config_argument(parser: argparse.ArgumentParser) -> None:
         default={},
         help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}'""",
     )
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """`--logit-bias`: a JSON object of token id -> bias."""
+    return {int(k): float(v) for k, v in json_object(text).items()}
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from helpers import mlx_lm_greedy
 from mlx_lm.sample_utils import make_logits_processors
 from test_generate import prompt_of, run
 
@@ -18,21 +18,6 @@ SETTINGS = {
         logit_bias={11: 2.0}, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3
     ),
 }
-
-
-def mlx_lm_greedy(model, prompt, max_tokens, eos, **settings) -> tuple[list[int], list]:
-    """mlx-lm's own greedy tokens (stopped at EOS, included) and their logprobs vectors."""
-    processors = make_logits_processors(**settings)
-    tokens, logprobs = [], []
-    steps = generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors
-    )
-    for token, vector in steps:
-        tokens.append(int(token))
-        logprobs.append(vector)
-        if token in eos:
-            break
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

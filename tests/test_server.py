@@ -8,10 +8,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import helpers
 import openai
 import pytest
-from test_cli import greedy_text
+from test_cli import decode_greedy, greedy_text
 from test_stops import stop_in
+
+from dflash_mlx.session import chat_prompt
 
 PROMPTS = [
     "How many apples?",
@@ -31,11 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(make_pair, tmp_path_factory):
-    target, draft = make_pair("llama-tied-gqa")
+def start_server(target, draft, log) -> tuple[subprocess.Popen, int]:
+    """`dflash-mlx serve` on a free port, once it answers /health."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
     cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port)]
     with open(log, "w") as out:
@@ -44,12 +45,17 @@ def server(make_pair, tmp_path_factory):
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if get(port, "/health")[0] == 200:
-                break
+                return proc, port
         except OSError:
             time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read_text()}")
+    proc.kill()
+    pytest.fail(f"server did not start:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(make_pair, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, port = start_server(*make_pair("llama-tied-gqa"), log)
     yield port, log
     proc.terminate()
     proc.wait(timeout=20)
@@ -231,3 +237,111 @@ def test_list_prompt_and_max_completion_tokens(client, loaded):
         model="d", messages=[{"role": "user", "content": PROMPTS[4]}], max_completion_tokens=7
     )
     assert reply.choices[0].message.content == text and reply.usage.completion_tokens == n
+
+
+def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, loaded):
+    settings = dict(
+        repetition_penalty=1.3, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={57: 6.0}
+    )
+    expected, n = greedy_text(loaded, PROMPTS[6], 24, **settings)
+    assert expected != greedy_text(loaded, PROMPTS[6], 24)[0]  # the settings change the reply
+    reply = chat(
+        client,
+        PROMPTS[6],
+        max_tokens=24,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        logit_bias={"57": 6.0},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == n
+    bias = {57: -4.0, 120: 5.0}
+    expected, _ = greedy_text(loaded, PROMPTS[7], 16, chat=False, logit_bias=bias)
+    completion = client.completions.create(
+        model="d", prompt=PROMPTS[7], max_tokens=16, logit_bias={"57": -4.0, "120": 5.0}
+    )
+    assert completion.choices[0].text == expected
+
+
+@pytest.fixture(scope="module")
+def tool_client(make_pair, tmp_path_factory):
+    """A server on llama-tools: the same weights, a tool-calling chat template."""
+    log = tmp_path_factory.mktemp("tool-server") / "server.log"
+    proc, port = start_server(*make_pair("llama-tools"), log)
+    yield openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+    )
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_tool_call_round_trip(tool_client, loaded):
+    model, tokenizer, _ = loaded("llama-tools")
+    call_token = tokenizer.convert_tokens_to_ids(helpers.TOOL_CALL)
+    eos = tokenizer.eos_token_id
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # The bias makes the model emit the call token once (the presence penalty then
+    # outweighs it), then EOS: a tool call as a real model would make one.
+    forced = dict(logit_bias={str(call_token): 100.0, str(eos): 50.0}, presence_penalty=200.0)
+    for stream in (False, True):
+        request = dict(model="d", messages=messages, tools=[WEATHER], max_tokens=8, **forced)
+        if stream:
+            chunks = list(tool_client.chat.completions.create(stream=True, **request))
+            calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+            assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+            call = calls[0].choices[0].delta.tool_calls[0]
+        else:
+            reply = tool_client.chat.completions.create(**request)
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert reply.choices[0].message.content is None
+            call = made = reply.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    answer = [
+        {"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+        {"role": "tool", "tool_call_id": made.id, "content": "22 C and sunny"},
+    ]
+    reply = tool_client.chat.completions.create(
+        model="d", messages=messages + answer, tools=[WEATHER], max_tokens=12
+    )
+    # What mlx-lm renders from the same conversation (arguments as an object).
+    rendered_call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    template_messages = [
+        *messages,
+        {"role": "assistant", "content": "", "tool_calls": [rendered_call]},
+        {"role": "tool", "content": "22 C and sunny"},
+    ]
+    text = chat_prompt(tokenizer, template_messages, [WEATHER])
+    assert '"get_weather"' in text and "22 C and sunny" in text
+    expected, n = decode_greedy(model, tokenizer, text, 12)
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == n
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
+    model, tokenizer, _ = loaded("llama-tools")
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    text = chat_prompt(tokenizer, messages, style="terse")
+    assert "(terse)" in text
+    reply = tool_client.chat.completions.create(
+        model="d",
+        messages=messages,
+        max_tokens=10,
+        extra_body={"chat_template_kwargs": {"style": "terse"}},
+    )
+    expected, _ = decode_greedy(model, tokenizer, text, 10)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+    plain = tool_client.chat.completions.create(model="d", messages=messages, max_tokens=10)
+    assert plain.usage.prompt_tokens < reply.usage.prompt_tokens
