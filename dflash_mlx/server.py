@@ -26,7 +26,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import mlx.core as mx
 import uvicorn
@@ -145,6 +146,19 @@ class CompletionParams(Strict):
     presence_context_size: int | None = Field(None, ge=0)
     frequency_penalty: float | None = None
     frequency_context_size: int | None = Field(None, ge=0)
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to report per token; None: no logprobs.
+
+        `logprobs=true` with `top_logprobs` (chat, mlx-lm), or `logprobs=k` (the
+        completions API); `top_logprobs` alone also asks, as in `mlx_lm.server`.
+        """
+        if isinstance(self.logprobs, bool) or self.logprobs is None:
+            return self.top_logprobs or 0 if self.logprobs or self.top_logprobs else None
+        return self.logprobs
 
     @field_validator("logit_bias")
     @classmethod
@@ -231,19 +245,27 @@ class Worker:
         self.cache = make_prompt_cache(model, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
 
-    def _run(self, prompt, kwargs, seed, stops, stop: threading.Event, put) -> None:
+    def _run(self, job: Job, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
-            if seed is not None:
-                mx.random.seed(seed)
+            if job.seed is not None:
+                mx.random.seed(job.seed)
             responses = stream_generate(
-                self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
+                self.model,
+                self.draft,
+                self.tokenizer,
+                job.prompt,
+                prompt_cache=self.cache,
+                **job.kwargs,
             )
-            responses = stop_at_strings(responses, stops)
+            responses = stop_at_strings(responses, job.stops)
             try:
                 for response in responses:
-                    put(response)
+                    entries = None
+                    if job.top_logprobs is not None:
+                        entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
+                    put((response, entries))
                     if stop.is_set():
                         log.info("client gone: stopped after %d tokens", response.generation_tokens)
                         break
@@ -255,24 +277,19 @@ class Worker:
             put(None)
 
     def submit(
-        self,
-        prompt: list[int],
-        kwargs: dict[str, Any],
-        seed: int | None,
-        stops: list[str],
-        stop: threading.Event,
-    ) -> AsyncIterator[GenerationResponse]:
-        """Queue a generation (ended early by any of `stops`); iterate the result for its
-        responses."""
+        self, job: Job, stop: threading.Event
+    ) -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
+        """Queue a generation; iterate the result for its responses (with their logprobs
+        entries when asked for)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.executor.submit(self._run, prompt, kwargs, seed, stops, stop, put)
+        self.executor.submit(self._run, job, stop, put)
 
-        async def responses() -> AsyncIterator[GenerationResponse]:
+        async def responses() -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
             try:
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Exception):
@@ -282,6 +299,42 @@ class Worker:
                 stop.set()
 
         return responses()
+
+
+@dataclass
+class Job:
+    """One request's generation, as the worker thread runs it."""
+
+    prompt: list[int]
+    kwargs: dict[str, Any]  # for `stream_generate`
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no logprobs
+
+
+def logprob_entries(
+    tokenizer: TokenizerWrapper, response: GenerationResponse, top: int
+) -> list[dict[str, Any]]:
+    """`mlx_lm.server`'s logprobs entries for a response's tokens: each token's
+    log-probability and the `top` most likely tokens at its position, best first."""
+    logprobs = response.logprobs
+    ids = mx.array(response.tokens)[:, None]
+    chosen = mx.take_along_axis(logprobs, ids, axis=-1)[:, 0]
+    best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top] if top else ids[:, :0]
+    best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+    order = mx.argsort(-best_logprobs, axis=-1)
+    best = mx.take_along_axis(best, order, axis=-1).tolist()
+    best_logprobs = mx.take_along_axis(best_logprobs, order, axis=-1).tolist()
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"id": token, "token": tokenizer.convert_ids_to_tokens(token), "logprob": logprob}
+
+    return [
+        {**entry(token, logprob), "top_logprobs": [entry(*e) for e in zip(ts, lps, strict=True)]}
+        for token, logprob, ts, lps in zip(
+            response.tokens, chosen.tolist(), best, best_logprobs, strict=True
+        )
+    ]
 
 
 def create_app(worker: Worker, model_id: str) -> FastAPI:
@@ -346,9 +399,11 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             settings = {**worker.processor_settings, **settings}
             kwargs["logits_processors"] = make_logits_processors(**settings)
         stop = threading.Event()
-        responses = worker.submit(ids, kwargs, body.seed, body.stops, stop)
+        job = Job(ids, kwargs, body.seed, body.stops, body.alternatives)
+        responses = worker.submit(job, stop)
         tools = getattr(body, "tools", None)
-        reply = Reply(kind, model_id, body.stream, worker.tokenizer, ids, tools)
+        with_logprobs = job.top_logprobs is not None
+        reply = Reply(kind, model_id, body.stream, worker.tokenizer, ids, tools, with_logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -357,8 +412,8 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 background=BackgroundTask(stop.set),
             )
         try:
-            async for response in responses:
-                reply.add(response)
+            async for response, logprobs in responses:
+                reply.add(response, logprobs)
         except Exception as exc:
             return error(500, f"generation failed: {exc}")
         return reply.whole()
@@ -394,6 +449,7 @@ class Reply:
         tokenizer: TokenizerWrapper,
         prompt: list[int],
         tools: list[dict[str, Any]] | None = None,
+        with_logprobs: bool = False,
     ):
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.kind, self.model_id, self.stream = (
@@ -411,10 +467,13 @@ class Reply:
         self.tool_calls = ToolCallFormatter(tokenizer.tool_parser, tools, stream)
         self.made_tool_call, self.previous = False, None
         self.content, self.reasoning, self.tool_text, self.calls = "", "", "", []
+        self.with_logprobs, self.logprobs = with_logprobs, []
 
-    def add(self, response: GenerationResponse) -> None:
-        """Take one response's text into content, reasoning and finished tool calls."""
+    def add(self, response: GenerationResponse, logprobs: list[dict] | None = None) -> None:
+        """Take one response's text into content, reasoning and finished tool calls, and
+        its tokens' logprobs entries (`logprob_entries`) if asked for."""
         self.stats.add(response)
+        self.logprobs.extend(logprobs or [])
         if not self.chat:
             self.content += response.text
             return
@@ -448,16 +507,24 @@ class Reply:
         finish = self.stats.last.finish_reason if self.stats.last else None
         return "tool_calls" if finish == "stop" and self.made_tool_call else finish
 
-    def take(self) -> tuple[str, str, list]:
-        """Content, reasoning and formatted tool calls gathered since the last take."""
-        taken = self.content, self.reasoning, self.tool_calls(self.calls)
-        self.content, self.reasoning, self.calls = "", "", []
+    def take(self) -> tuple[str, str, list, dict | None]:
+        """Content, reasoning, formatted tool calls and logprobs gathered since the last take."""
+        logprobs = {"content": self.logprobs} if self.with_logprobs else None
+        taken = self.content, self.reasoning, self.tool_calls(self.calls), logprobs
+        self.content, self.reasoning, self.calls, self.logprobs = "", "", [], []
         return taken
 
     def choice(self, finish_reason: str | None) -> dict:
-        text, reasoning, tool_calls = self.take()
+        text, reasoning, tool_calls, logprobs = self.take()
         if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            if logprobs is not None:  # also in the completions API's own shape
+                content = logprobs["content"]
+                logprobs["tokens"] = [e["token"] for e in content]
+                logprobs["token_logprobs"] = [e["logprob"] for e in content]
+                logprobs["top_logprobs"] = [
+                    {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content
+                ]
+            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         message: dict[str, Any] = {"role": "assistant"}
         if not self.stream:
             message["content"] = text or None  # the schema requires the field
@@ -468,7 +535,7 @@ class Reply:
         if tool_calls:
             message["tool_calls"] = tool_calls
         key = "delta" if self.stream else "message"
-        return {"index": 0, key: message, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, key: message, "finish_reason": finish_reason, "logprobs": logprobs}
 
     def usage(self) -> dict:
         d = self.stats.as_dict()
@@ -506,8 +573,8 @@ class Reply:
         if self.chat:
             yield event(self.body(self.choice(None)))  # the role, before any text
         try:
-            async for response in responses:
-                self.add(response)
+            async for response, logprobs in responses:
+                self.add(response, logprobs)
                 if response.finish_reason is not None:
                     choice = self.choice(self.finish_reason())
                     yield event(self.body(choice, dflash=self.stats.as_dict()))

@@ -345,3 +345,45 @@ def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
     assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
     plain = tool_client.chat.completions.create(model="d", messages=messages, max_tokens=10)
     assert plain.usage.prompt_tokens < reply.usage.prompt_tokens
+
+
+def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    settings = dict(presence_penalty=0.5)  # logprobs are after the processors, as mlx-lm's
+    text = chat_prompt(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
+    eos = set(tokenizer.eos_token_ids)
+    tokens, vectors = helpers.mlx_lm_greedy(model, tokenizer.encode(text), 12, eos, **settings)
+    request = dict(max_tokens=12, logprobs=True, top_logprobs=3, presence_penalty=0.5)
+
+    def check(entries) -> None:
+        assert [e.model_extra["id"] for e in entries] == tokens
+        for entry, vector in zip(entries, vectors, strict=True):
+            assert entry.logprob == pytest.approx(vector[entry.model_extra["id"]].item(), abs=1e-3)
+            best = sorted(range(vector.size), key=lambda i: -vector[i].item())[:3]
+            assert [t.model_extra["id"] for t in entry.top_logprobs] == best
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                [vector[i].item() for i in best], abs=1e-3
+            )
+            assert entry.token == tokenizer.convert_ids_to_tokens(entry.model_extra["id"])
+
+    check(chat(client, PROMPTS[2], **request).choices[0].logprobs.content)
+    chunks = list(chat(client, PROMPTS[2], stream=True, **request))
+    check(
+        [
+            e
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
+    )
+    assert chat(client, PROMPTS[2], max_tokens=4).choices[0].logprobs is None
+
+    completion = client.completions.create(
+        model="d", prompt=text, max_tokens=12, logprobs=2, presence_penalty=0.5
+    )
+    logprobs = completion.choices[0].logprobs  # the completions API's shape too
+    assert logprobs.tokens == tokenizer.convert_ids_to_tokens(tokens)
+    assert logprobs.token_logprobs == pytest.approx(
+        [v[t].item() for t, v in zip(tokens, vectors, strict=True)], abs=1e-3
+    )
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
