@@ -16,7 +16,14 @@ import signal
 import sys
 
 from .generate import encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import (
+    ReplyStats,
+    add_model_arguments,
+    add_template_config_argument,
+    chat_prompt,
+    generation_kwargs,
+    load_models,
+)
 from .target import TargetAdapter
 
 HELP = """commands:
@@ -30,9 +37,19 @@ Ctrl-C stops the current answer and keeps the conversation."""
 class Chat:
     """A conversation: its messages, the caches holding them, and per-turn stats."""
 
-    def __init__(self, model, tokenizer, draft, kwargs: dict, system: str | None, reuse: bool):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        draft,
+        kwargs: dict,
+        system: str | None,
+        reuse: bool,
+        template_kwargs: dict | None = None,
+    ):
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.kwargs, self.system, self.reuse = kwargs, system, reuse
+        self.template_kwargs = template_kwargs or {}
         self.max_context = TargetAdapter(model).max_context
         self.reset()
 
@@ -44,7 +61,8 @@ class Chat:
     def ask(self, text: str) -> None:
         """Stream the answer to `text` to stdout, then its stats line."""
         self.messages.append({"role": "user", "content": text})
-        prompt = encode_prompt(self.tokenizer, chat_prompt(self.tokenizer, self.messages))
+        text = chat_prompt(self.tokenizer, self.messages, **self.template_kwargs)
+        prompt = encode_prompt(self.tokenizer, text)
         room = self.max_context - len(prompt) if self.max_context else self.kwargs["max_tokens"]
         if room < 1:
             self.messages.pop()
@@ -102,6 +120,7 @@ class Chat:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
     parser.add_argument("--system", help="system message")
+    add_template_config_argument(parser)
     parser.add_argument(
         "--no-prompt-cache",
         action="store_true",
@@ -112,7 +131,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
     chat = Chat(
-        model, tokenizer, draft, generation_kwargs(args), args.system, not args.no_prompt_cache
+        model,
+        tokenizer,
+        draft,
+        generation_kwargs(args),
+        args.system,
+        not args.no_prompt_cache,
+        args.chat_template_config,
     )
     chat_prompt(tokenizer, [{"role": "user", "content": "check"}])  # fail now, not at turn 1
     print("dflash-mlx chat: /help for commands, Ctrl-D to exit", flush=True)

@@ -599,16 +599,19 @@ class DFlashDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
         cache: list[KVCache],
-        choose: Callable[[mx.array], tuple[mx.array, mx.array | None]],
+        choose: Callable[..., tuple[mx.array, mx.array | None]],
+        context: list[int] | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens (L - 1,) for the block's mask positions and their log-probabilities.
 
         `choose` (a `Verifier.propose`) maps rows of scores to (ids, log q or None).
-        DFlash 1 applies it to the logits; DFlash 2 to each step of the selector's
-        walk, whose log q (over the candidates) keeps speculative sampling exact.
+        DFlash 1 applies it to the logits, after the committed tokens `context`
+        (which logits processors see); DFlash 2 to each step of the selector's walk,
+        whose log q (over the candidates, not the vocabulary, so unprocessed) keeps
+        speculative sampling exact.
         """
         if "candidate_selector" not in self:
-            return choose(self.draft_logits(block, embed, lm_head, cache))
+            return choose(self.draft_logits(block, embed, lm_head, cache), context)
         hidden = self.mask_hidden(block, embed, cache)
         logits = self.head_logits(hidden, lm_head)
         return self.candidate_selector.walk(hidden, logits, block[0], choose)

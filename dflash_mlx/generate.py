@@ -24,7 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .adaptive import AdaptiveBlock
 from .draft import DFlashDraft
 from .rollback import trim_caches
-from .sampling import Sampler, Verdict, Verifier, make_verifier
+from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
 from .target import TargetAdapter
 
 PREFILL_STEP = 2048
@@ -43,6 +43,9 @@ class GenerationResponse:
         generation_tokens, generation_tps: tokens generated so far and their rate.
         peak_memory: peak memory so far in GB.
         finish_reason: None, "stop" (EOS) or "length" (max_tokens).
+        logprobs: (len(tokens), vocab) the target's log-probabilities (after the logits
+            processors, before temperature) at each token's position, as mlx-lm's
+            `logprobs`; lazy, so computed only if read.
     """
 
     text: str
@@ -55,6 +58,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    logprobs: mx.array | None = None
 
     @property
     def token(self) -> int:
@@ -154,6 +158,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     acceptance: str = "speculative",
     adaptive: bool | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -171,6 +176,9 @@ def stream_generate(
     is the same either way, but which random draws a sampled cycle consumes
     depends on its size, so by default it adapts only for greedy decoding with
     no `block_size` given: a seeded sampled run stays reproducible.
+    `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
+    bias), applied at every verified position to the tokens before it, so the
+    output is still the target's own (greedy: mlx-lm's with the same processors).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -194,7 +202,9 @@ def stream_generate(
                 f"{target.max_context}"
             )
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
-    verifier = make_verifier(temperature, top_p, top_k, min_p, sampler, acceptance)
+    verifier = make_verifier(
+        temperature, top_p, top_k, min_p, sampler, acceptance, logits_processors
+    )
     if prompt_cache is None:
         prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
     policy = AdaptiveBlock(block_size) if adaptive and block_size > 1 else None
@@ -230,16 +240,17 @@ def _speculate(
         def launch(last: int, n: int) -> tuple[mx.array, Verdict]:
             """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
             last_id = mx.array([last])
+            context = prompt_cache.tokens + [last] if verifier.processors else None
             if n > 1:
                 block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
                 drafts, draft_logprobs = draft.propose(
-                    block, target.embed_tokens, draft_head, draft_cache, verifier.propose
+                    block, target.embed_tokens, draft_head, draft_cache, verifier.propose, context
                 )
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:
                 drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
             logits = model(verify[None], cache=cache)[0]
-            verdict = verifier.verify(drafts, draft_logprobs, logits)
+            verdict = verifier.verify(drafts, draft_logprobs, logits, context)
             mx.async_eval(drafts, verdict.choices, verdict.matches)
             return drafts, verdict
 
@@ -248,7 +259,8 @@ def _speculate(
             logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
             draft.append_context(features(), draft_cache)
             mx.eval([c.state for c in cache + draft_cache])
-        committed = verifier.propose(logits[0, -1:])[0].tolist()
+        first = verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
+        committed, committed_logits = first.choices.tolist(), first.logits
         prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)
         prompt_cache.tokens = list(prompt)
         tic = synced = time.perf_counter()
@@ -257,7 +269,7 @@ def _speculate(
         while True:
             stop = next((i for i, t in enumerate(committed) if t in eos), None)
             if stop is not None:
-                committed = committed[: stop + 1]
+                committed, committed_logits = committed[: stop + 1], committed_logits[: stop + 1]
             generated += len(committed)
             finish = (
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
@@ -281,6 +293,7 @@ def _speculate(
                 generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
+                logprobs=committed_logits - mx.logsumexp(committed_logits, axis=-1, keepdims=True),
             )
             if finish:
                 return
@@ -296,6 +309,7 @@ def _speculate(
             draft.append_context(features()[:, : accepted + 1], draft_cache)
             prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
             committed = draft_ids[:accepted] + [verdict.token_after(accepted)]
+            committed_logits = verdict.logits[: accepted + 1]
 
 
 def generate(

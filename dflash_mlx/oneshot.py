@@ -13,7 +13,15 @@ import json
 import sys
 
 from .generate import stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import (
+    ReplyStats,
+    add_model_arguments,
+    add_template_config_argument,
+    chat_prompt,
+    generation_kwargs,
+    load_models,
+)
+from .stops import stop_at_strings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="wrap the prompt in the model's chat template (default: on)",
     )
+    add_template_config_argument(parser)
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="end the reply where this text appears, without printing it (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
 
 
@@ -36,11 +51,13 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
     if args.chat_template:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = chat_prompt(tokenizer, [*messages, {"role": "user", "content": prompt}])
+        messages.append({"role": "user", "content": prompt})
+        prompt = chat_prompt(tokenizer, messages, **args.chat_template_config)
     elif args.system:
         raise ValueError("--system needs the chat template")
     stats = ReplyStats()
-    for response in stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args)):
+    responses = stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args))
+    for response in stop_at_strings(responses, args.stop):
         stats.add(response)
         if not args.json:
             print(response.text, end="", flush=True)

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens, logits) -> logits
 RULES = ("speculative", "match")
 
 
@@ -85,10 +86,12 @@ class Verdict:
     `matches[i]` accepts draft i; after j leading accepted drafts the token
     committed is `choices[j]`. Speculative sampling draws only the bonus
     (`choices[k]`) up front and leaves `resample(j)` for the rejected position.
+    `logits` are the target's, after the logits processors, at each position.
     """
 
     matches: mx.array
     choices: mx.array
+    logits: mx.array
     resample: Callable[[int], int] | None = field(default=None, repr=False)
 
     def token_after(self, accepted: int) -> int:
@@ -100,17 +103,56 @@ class Verdict:
 
 @dataclass
 class Verifier:
-    """Proposes draft tokens from drafter logits and verifies them against target logits."""
+    """Proposes draft tokens from drafter logits and verifies them against target logits.
+
+    With logits processors, row i of a block's logits is processed as mlx-lm
+    processes the logits it samples from at that position: seeing every token
+    before it, i.e. `context` (the tokens before row 0) + the block's tokens
+    before row i. Drafts are then proposed one row after another through the
+    same processors, so they follow what the target will choose.
+    """
 
     transform: Callable[[mx.array], mx.array] | None = None  # None: greedy
     rule: str = "speculative"
     sampler: Sampler | None = None  # a user's own sampler (match rule only)
+    processors: list[LogitsProcessor] = field(default_factory=list)
 
-    def propose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def propose(
+        self, logits: mx.array, context: list[int] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens from rows of scores and, for speculative sampling, their log-probs q.
 
-        The rows are drafter logits, or (DFlash 2) one walk step's candidate scores.
+        The rows are drafter logits, proposed through the processors after
+        `context` when one is given, or (DFlash 2) one walk step's candidate scores.
         """
+        if not self.processors or context is None:
+            return self._choose(logits)
+        seen, tokens, logprobs = mx.array(context, dtype=mx.uint32), [], []
+        for row in range(logits.shape[0]):
+            token, row_logprobs = self._choose(self._process(seen, logits[row : row + 1]))
+            seen = mx.concatenate([seen, token.astype(mx.uint32)])
+            tokens.append(token)
+            logprobs.append(row_logprobs)
+        q = None if logprobs[0] is None else mx.concatenate(logprobs)
+        return mx.concatenate(tokens), q
+
+    def process(self, logits: mx.array, context: list[int] | None, tokens: mx.array) -> mx.array:
+        """Row i of `logits` through the processors, seeing `context` + `tokens[:i]`."""
+        if not self.processors:
+            return logits
+        seen = mx.concatenate([mx.array(context, dtype=mx.uint32), tokens.astype(mx.uint32)])
+        rows = [
+            self._process(seen[: len(context) + i], logits[i : i + 1])
+            for i in range(logits.shape[0])
+        ]
+        return mx.concatenate(rows)
+
+    def _process(self, seen: mx.array, row: mx.array) -> mx.array:
+        for processor in self.processors:
+            row = processor(seen, row)
+        return row
+
+    def _choose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         if self.sampler is not None:
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), None
         if self.transform is None:
@@ -119,9 +161,15 @@ class Verifier:
         return mx.random.categorical(logprobs), logprobs
 
     def verify(
-        self, drafts: mx.array, draft_logprobs: mx.array | None, target_logits: mx.array
+        self,
+        drafts: mx.array,
+        draft_logprobs: mx.array | None,
+        target_logits: mx.array,
+        context: list[int] | None = None,
     ) -> Verdict:
-        """The verdict on `drafts` given the target's logits at [last token] + drafts."""
+        """The verdict on `drafts` given the target's logits at [last token] + drafts
+        (`context`: every token up to the last, for the logits processors)."""
+        target_logits = self.process(target_logits, context, drafts)
         if draft_logprobs is not None and self.rule == "speculative" and drafts.size:
             target_logprobs = self.transform(target_logits)
             matches = speculative_accept(drafts, draft_logprobs, target_logprobs)
@@ -131,9 +179,9 @@ class Verifier:
             def resample(j: int) -> int:
                 return residual_sample(target_logprobs[j], draft_logprobs[j]).item()
 
-            return Verdict(matches, mx.concatenate([undrawn, bonus]), resample)
-        choices, _ = self.propose(target_logits)
-        return Verdict(drafts == choices[:-1].astype(drafts.dtype), choices)
+            return Verdict(matches, mx.concatenate([undrawn, bonus]), target_logits, resample)
+        choices, _ = self._choose(target_logits)
+        return Verdict(drafts == choices[:-1].astype(drafts.dtype), choices, target_logits)
 
 
 def make_verifier(
@@ -143,14 +191,18 @@ def make_verifier(
     min_p: float = 0.0,
     sampler: Sampler | None = None,
     acceptance: str = "speculative",
+    processors: list[LogitsProcessor] | None = None,
 ) -> Verifier:
-    """The verifier for mlx-lm-style sampling settings (greedy at temperature 0)."""
+    """The verifier for mlx-lm-style sampling settings (greedy at temperature 0) and
+    logits processors (mlx-lm's `make_logits_processors`)."""
     if acceptance not in RULES:
         raise ValueError(f"acceptance must be one of {RULES}, got {acceptance!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    processors = list(processors or [])
     if sampler is not None:
-        return Verifier(rule="match", sampler=sampler)
+        return Verifier(rule="match", sampler=sampler, processors=processors)
     if temperature == 0:
-        return Verifier()
-    return Verifier(make_logprobs_transform(temperature, top_p, top_k, min_p), acceptance)
+        return Verifier(processors=processors)
+    transform = make_logprobs_transform(temperature, top_p, top_k, min_p)
+    return Verifier(transform, acceptance, processors=processors)

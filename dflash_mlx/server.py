@@ -26,17 +26,39 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.server import ToolCallFormatter
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.background import BackgroundTask
 
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import (
+    PROCESSOR_SETTINGS,
+    ReplyStats,
+    add_model_arguments,
+    chat_prompt,
+    generation_kwargs,
+    json_object,
+    load_models,
+    processor_settings,
+)
+from .stops import stop_at_strings
 from .target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -46,14 +68,57 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# Fields that change the output but that this server cannot honour: a request
+# setting one to anything but a value that changes nothing is refused, naming it.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("auto",),
+    "functions": (),
+    "function_call": (),
+    "xtc_probability": (0, 0.0),
+    "adapters": (),
+}
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: dict[str, Any]
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def parse_arguments(cls, value: Any) -> Any:
+        """OpenAI sends the arguments as a JSON string; templates want the object."""
+        return json.loads(value) if isinstance(value, str) else value
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (text content, parsed tool arguments)."""
+        message = self.model_dump(exclude_none=True)
+        if not isinstance(self.content, str):
+            message["content"] = "".join(p.text for p in self.content or [])
+        return message
 
 
 class StreamOptions(Strict):
@@ -65,24 +130,78 @@ class CompletionParams(Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    n: Literal[1] = 1
-    stop: None | Literal[""] | list[str] = Field(None, max_length=0)
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, ge=0)
+    repetition_context_size: int | None = Field(None, ge=0)
+    presence_penalty: float | None = None
+    presence_context_size: int | None = Field(None, ge=0)
+    frequency_penalty: float | None = None
+    frequency_context_size: int | None = Field(None, ge=0)
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to report per token; None: no logprobs.
+
+        `logprobs=true` with `top_logprobs` (chat, mlx-lm), or `logprobs=k` (the
+        completions API); `top_logprobs` alone also asks, as in `mlx_lm.server`.
+        """
+        if isinstance(self.logprobs, bool) or self.logprobs is None:
+            return self.top_logprobs or 0 if self.logprobs or self.top_logprobs else None
+        return self.logprobs
+
+    @field_validator("logit_bias")
+    @classmethod
+    def token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not all(k.isdigit() for k in bias):
+            raise ValueError("keys must be token ids")
+        return {int(k): v for k, v in bias.items()}
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, harmless in UNSUPPORTED.items():
+                value = body.get(name)
+                if value is not None and value not in harmless:
+                    raise ValueError(f"{name}={json.dumps(value)} is not supported by this server")
+        return body
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
 
 
 class ChatRequest(CompletionParams):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TextRequest(CompletionParams):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def one_prompt(cls, prompt: Any) -> str | list[int]:
+        """A list of prompts is a batch; one prompt per request is served (n = 1)."""
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
+            return prompt[0]
+        return prompt
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -101,31 +220,52 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        return error(400, f"{where or 'body'}: {first['msg']}", where or None)
+        message = first["msg"].removeprefix("Value error, ")
+        return error(400, f"{where or 'body'}: {message}", where or None)
 
 
 class Worker:
     """Runs generations one at a time on a single thread; the model and cache live there."""
 
-    def __init__(self, model, tokenizer, draft, defaults: dict[str, Any]):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        draft,
+        defaults: dict[str, Any],
+        template_kwargs: dict[str, Any],
+        processor_settings: dict[str, Any],
+    ):
+        """`defaults`: `stream_generate` kwargs from the flags, which requests override;
+        `processor_settings` the flags' penalties, the base of a request's own."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
+        self.template_kwargs, self.processor_settings = template_kwargs, processor_settings
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
         self.cache = make_prompt_cache(model, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
 
-    def _run(self, prompt, kwargs, seed, stop: threading.Event, put) -> None:
+    def _run(self, job: Job, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
-            if seed is not None:
-                mx.random.seed(seed)
+            if job.seed is not None:
+                mx.random.seed(job.seed)
             responses = stream_generate(
-                self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
+                self.model,
+                self.draft,
+                self.tokenizer,
+                job.prompt,
+                prompt_cache=self.cache,
+                **job.kwargs,
             )
+            responses = stop_at_strings(responses, job.stops)
             try:
                 for response in responses:
-                    put(response)
+                    entries = None
+                    if job.top_logprobs is not None:
+                        entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
+                    put((response, entries))
                     if stop.is_set():
                         log.info("client gone: stopped after %d tokens", response.generation_tokens)
                         break
@@ -137,18 +277,19 @@ class Worker:
             put(None)
 
     def submit(
-        self, prompt: list[int], kwargs: dict[str, Any], seed: int | None, stop: threading.Event
-    ) -> AsyncIterator[GenerationResponse]:
-        """Queue a generation; iterate the result for its responses."""
+        self, job: Job, stop: threading.Event
+    ) -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
+        """Queue a generation; iterate the result for its responses (with their logprobs
+        entries when asked for)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.executor.submit(self._run, prompt, kwargs, seed, stop, put)
+        self.executor.submit(self._run, job, stop, put)
 
-        async def responses() -> AsyncIterator[GenerationResponse]:
+        async def responses() -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
             try:
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Exception):
@@ -158,6 +299,42 @@ class Worker:
                 stop.set()
 
         return responses()
+
+
+@dataclass
+class Job:
+    """One request's generation, as the worker thread runs it."""
+
+    prompt: list[int]
+    kwargs: dict[str, Any]  # for `stream_generate`
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no logprobs
+
+
+def logprob_entries(
+    tokenizer: TokenizerWrapper, response: GenerationResponse, top: int
+) -> list[dict[str, Any]]:
+    """`mlx_lm.server`'s logprobs entries for a response's tokens: each token's
+    log-probability and the `top` most likely tokens at its position, best first."""
+    logprobs = response.logprobs
+    ids = mx.array(response.tokens)[:, None]
+    chosen = mx.take_along_axis(logprobs, ids, axis=-1)[:, 0]
+    best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top] if top else ids[:, :0]
+    best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+    order = mx.argsort(-best_logprobs, axis=-1)
+    best = mx.take_along_axis(best, order, axis=-1).tolist()
+    best_logprobs = mx.take_along_axis(best_logprobs, order, axis=-1).tolist()
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"id": token, "token": tokenizer.convert_ids_to_tokens(token), "logprob": logprob}
+
+    return [
+        {**entry(token, logprob), "top_logprobs": [entry(*e) for e in zip(ts, lps, strict=True)]}
+        for token, logprob, ts, lps in zip(
+            response.tokens, chosen.tolist(), best, best_logprobs, strict=True
+        )
+    ]
 
 
 def create_app(worker: Worker, model_id: str) -> FastAPI:
@@ -179,30 +356,22 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         body = await parse(request, ChatRequest)
         if isinstance(body, JSONResponse):
             return body
-        messages = [
-            {
-                "role": m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else "".join(p.text for p in m.content),
-            }
-            for m in body.messages
-        ]
+        messages = [m.for_template() for m in body.messages]
+        template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
         try:
-            prompt = chat_prompt(worker.tokenizer, messages)
+            prompt = chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs)
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             return error(400, f"messages: the chat template failed: {exc}", "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await complete(body, prompt, max_tokens, "chat.completion")
+        return await complete(body, prompt, "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, TextRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await complete(body, body.prompt, body.max_tokens, "text_completion")
+        return await complete(body, body.prompt, "text_completion")
 
-    async def complete(body: CompletionParams, prompt, max_tokens: int | None, kind: str):
+    async def complete(body: CompletionParams, prompt, kind: str):
         try:
             ids = encode_prompt(worker.tokenizer, prompt)
         except ValueError as exc:
@@ -215,7 +384,7 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 400, f"the prompt has {len(ids)} tokens; the context holds {worker.max_context}"
             )
         requested = {
-            "max_tokens": max_tokens,
+            "max_tokens": body.max_completion_tokens or body.max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
@@ -223,9 +392,18 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         }
         kwargs = {**worker.defaults, **{k: v for k, v in requested.items() if v is not None}}
         kwargs["max_tokens"] = min(kwargs["max_tokens"], room or kwargs["max_tokens"])
+        settings = {k: getattr(body, k) for k in PROCESSOR_SETTINGS if getattr(body, k) is not None}
+        if any(not 0 <= t < worker.vocab_size for t in settings.get("logit_bias", {})):
+            return error(400, "logit_bias: token ids must be in the vocabulary", "logit_bias")
+        if settings:
+            settings = {**worker.processor_settings, **settings}
+            kwargs["logits_processors"] = make_logits_processors(**settings)
         stop = threading.Event()
-        responses = worker.submit(ids, kwargs, body.seed, stop)
-        reply = Reply(kind, model_id, body.stream)
+        job = Job(ids, kwargs, body.seed, body.stops, body.alternatives)
+        responses = worker.submit(job, stop)
+        tools = getattr(body, "tools", None)
+        with_logprobs = job.top_logprobs is not None
+        reply = Reply(kind, model_id, body.stream, worker.tokenizer, ids, tools, with_logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -234,8 +412,8 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 background=BackgroundTask(stop.set),
             )
         try:
-            async for response in responses:
-                reply.stats.add(response)
+            async for response, logprobs in responses:
+                reply.add(response, logprobs)
         except Exception as exc:
             return error(500, f"generation failed: {exc}")
         return reply.whole()
@@ -243,10 +421,36 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
     return app
 
 
-class Reply:
-    """The OpenAI response shapes for one request, plus DFlash stats under `dflash`."""
+def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
+    """Where the reply starts in mlx-lm's text state machine: "reasoning" when the prompt
+    opens a thinking block it does not close (as `mlx_lm.server` decides)."""
+    state = "normal"
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(
+        prompt
+    ):
+        state = "reasoning"
+    return tokenizer.response_initial_state or state
 
-    def __init__(self, kind: str, model_id: str, stream: bool):
+
+class Reply:
+    """The OpenAI response shapes for one request (as `mlx_lm.server` writes them), plus
+    DFlash stats under `dflash`.
+
+    A chat reply runs through mlx-lm's text state machine, which splits the text
+    into content, reasoning (thinking models) and tool calls (parsed by the
+    tokenizer's tool parser); a text completion is the raw text.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        model_id: str,
+        stream: bool,
+        tokenizer: TokenizerWrapper,
+        prompt: list[int],
+        tools: list[dict[str, Any]] | None = None,
+        with_logprobs: bool = False,
+    ):
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.kind, self.model_id, self.stream = (
             f"{prefix}-{uuid.uuid4().hex}",
@@ -256,15 +460,82 @@ class Reply:
         )
         self.created = int(time.time())
         self.stats = ReplyStats()
+        self.chat = kind == "chat.completion"
+        if self.chat:
+            machine = make_text_state_machine(tokenizer)
+            self.state = machine.make_state(initial_state(tokenizer, prompt))
+        self.tool_calls = ToolCallFormatter(tokenizer.tool_parser, tools, stream)
+        self.made_tool_call, self.previous = False, None
+        self.content, self.reasoning, self.tool_text, self.calls = "", "", "", []
+        self.with_logprobs, self.logprobs = with_logprobs, []
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        if self.kind == "text_completion":
-            content = {"text": text}
-        elif self.stream:
-            content = {"delta": {"content": text} if text else {}}
-        else:
-            content = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **content, "finish_reason": finish_reason, "logprobs": None}
+    def add(self, response: GenerationResponse, logprobs: list[dict] | None = None) -> None:
+        """Take one response's text into content, reasoning and finished tool calls, and
+        its tokens' logprobs entries (`logprob_entries`) if asked for."""
+        self.stats.add(response)
+        self.logprobs.extend(logprobs or [])
+        if not self.chat:
+            self.content += response.text
+            return
+        self.state, segments = TextStateMachine.split(self.state, response.text)
+        if response.finish_reason == "stop":
+            self.state, current = TextStateMachine.discard(self.state)
+            segments.append((current, ""))
+        elif response.finish_reason == "length":
+            self.state, flushed, current = TextStateMachine.flush(self.state)
+            segments.append((current, flushed))
+        for state, text in segments:
+            if state == "reasoning":
+                self.reasoning += text
+            elif state == "tool":
+                self.tool_text += text
+            elif state == "normal":
+                if self.previous == "tool":
+                    self.end_tool_call()
+                self.content += text
+            self.previous = state
+        if response.finish_reason is not None and self.previous == "tool":
+            self.end_tool_call()
+
+    def end_tool_call(self) -> None:
+        if self.tool_text:
+            self.calls.append(self.tool_text)
+            self.made_tool_call = True
+        self.tool_text = ""
+
+    def finish_reason(self) -> str | None:
+        finish = self.stats.last.finish_reason if self.stats.last else None
+        return "tool_calls" if finish == "stop" and self.made_tool_call else finish
+
+    def take(self) -> tuple[str, str, list, dict | None]:
+        """Content, reasoning, formatted tool calls and logprobs gathered since the last take."""
+        logprobs = {"content": self.logprobs} if self.with_logprobs else None
+        taken = self.content, self.reasoning, self.tool_calls(self.calls), logprobs
+        self.content, self.reasoning, self.calls, self.logprobs = "", "", [], []
+        return taken
+
+    def choice(self, finish_reason: str | None) -> dict:
+        text, reasoning, tool_calls, logprobs = self.take()
+        if not self.chat:
+            if logprobs is not None:  # also in the completions API's own shape
+                content = logprobs["content"]
+                logprobs["tokens"] = [e["token"] for e in content]
+                logprobs["token_logprobs"] = [e["logprob"] for e in content]
+                logprobs["top_logprobs"] = [
+                    {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content
+                ]
+            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant"}
+        if not self.stream:
+            message["content"] = text or None  # the schema requires the field
+        elif text:
+            message["content"] = text
+        if reasoning:
+            message["reasoning"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        key = "delta" if self.stream else "message"
+        return {"index": 0, key: message, "finish_reason": finish_reason, "logprobs": logprobs}
 
     def usage(self) -> dict:
         d = self.stats.as_dict()
@@ -276,7 +547,7 @@ class Reply:
         }
 
     def body(self, *choices: dict, **extra: Any) -> dict:
-        chunk = self.stream and self.kind == "chat.completion"
+        chunk = self.stream and self.chat
         return {
             "id": self.id,
             "object": f"{self.kind}.chunk" if chunk else self.kind,
@@ -287,26 +558,28 @@ class Reply:
         }
 
     def whole(self) -> dict:
-        finish = self.stats.last.finish_reason if self.stats.last else None
-        choice = self.choice(self.stats.text, finish)
+        choice = self.choice(self.finish_reason())
         return self.body(choice, usage=self.usage(), dflash=self.stats.as_dict())
 
     async def events(
         self, responses: AsyncIterator[GenerationResponse], include_usage: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per verify cycle, stats on the last, then [DONE]."""
+        """Server-sent events: a chunk per verify cycle with something to show (a tool
+        call once whole), stats on the last, then usage if asked, then [DONE]."""
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        if self.kind == "chat.completion":
-            yield event(self.body({**self.choice("", None), "delta": {"role": "assistant"}}))
+        if self.chat:
+            yield event(self.body(self.choice(None)))  # the role, before any text
         try:
-            async for response in responses:
-                self.stats.add(response)
-                choice = self.choice(response.text, response.finish_reason)
-                last = response.finish_reason is not None
-                yield event(self.body(choice, **({"dflash": self.stats.as_dict()} if last else {})))
+            async for response, logprobs in responses:
+                self.add(response, logprobs)
+                if response.finish_reason is not None:
+                    choice = self.choice(self.finish_reason())
+                    yield event(self.body(choice, dflash=self.stats.as_dict()))
+                elif self.content or self.reasoning or self.calls:
+                    yield event(self.body(self.choice(None)))
         except Exception as exc:
             yield event({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
         if include_usage:
@@ -316,6 +589,13 @@ class Reply:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
+    parser.add_argument(
+        "--chat-template-args",
+        type=json_object,
+        default={},
+        help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}' """
+        "(a request's chat_template_kwargs override them)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
@@ -325,7 +605,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
-    worker = Worker(model, tokenizer, draft, generation_kwargs(args))
+    worker = Worker(
+        model,
+        tokenizer,
+        draft,
+        generation_kwargs(args),
+        args.chat_template_args,
+        processor_settings(args),
+    )
     app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -7,12 +7,14 @@ import cycle through the dispatcher.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import init_draft, load_draft
@@ -56,6 +58,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         choices=RULES,
         help="when sampling: speculative sampling (exact) or accept only exact matches",
     )
+    penalties = parser.add_argument_group(
+        "logits processors (mlx-lm's make_logits_processors; the output stays lossless)"
+    )
+    penalties.add_argument(
+        "--logit-bias",
+        type=logit_bias,
+        help="""additive bias per token id as a JSON object, e.g. '{"42": -100}'""",
+    )
+    for name in ("repetition", "presence", "frequency"):
+        penalties.add_argument(f"--{name}-penalty", type=float, help=f"{name} penalty")
+        penalties.add_argument(
+            f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
+        )
 
 
 def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
@@ -81,9 +96,26 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
     return model, tokenizer, draft
 
 
+PROCESSOR_SETTINGS = (
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+)
+
+
+def processor_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `make_logits_processors` arguments the flags set."""
+    return {k: getattr(args, k) for k in PROCESSOR_SETTINGS if getattr(args, k) is not None}
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`stream_generate` keyword arguments from the flags (all but the prompt and cache)."""
     return dict(
+        logits_processors=make_logits_processors(**processor_settings(args)),
         block_size=1 if args.no_draft else args.block_size,
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -95,11 +127,45 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict[str, str]]) -> str:
-    """The conversation rendered with the model's chat template, ready for the reply."""
+def chat_prompt(
+    tokenizer: TokenizerWrapper,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """The conversation rendered with the model's chat template, ready for the reply.
+
+    `tools` and `template_kwargs` (e.g. `enable_thinking=False`) reach the
+    template as in mlx-lm's `apply_chat_template`.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+
+
+def add_template_config_argument(parser: argparse.ArgumentParser) -> None:
+    """`--chat-template-config`, as `mlx_lm.generate` names it."""
+    parser.add_argument(
+        "--chat-template-config",
+        type=json_object,
+        default={},
+        help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}'""",
+    )
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """`--logit-bias`: a JSON object of token id -> bias."""
+    return {int(k): float(v) for k, v in json_object(text).items()}
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 @dataclass

@@ -20,6 +20,8 @@ TARGETS = {
     "llama-untied-mha": dict(family="llama", tied=False, heads=4, kv_heads=4, seed=3),
     "qwen3-tied-gqa": dict(family="qwen3", tied=True, heads=4, kv_heads=1, bos=False, seed=5),
     "qwen3-untied-mha": dict(family="qwen3", tied=False, heads=2, kv_heads=2, seed=7),
+    # llama-tied-gqa's weights with a tool-calling chat template (helpers.TOOL_CHAT_TEMPLATE)
+    "llama-tools": dict(family="llama", tied=True, heads=4, kv_heads=2, tools=True),
 }
 
 

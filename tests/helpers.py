@@ -11,7 +11,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -26,12 +34,30 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A template that renders tools, assistant tool calls and a `style` keyword, with the
+# markers mlx-lm's tool-parser inference looks for (its json_tools format).
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.tool_calls %}{% for call in m.tool_calls %}{% set tool_call = call.function %}"
+    "<tool_call>{{ {'name': tool_call.name, 'arguments': tool_call.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if style %}({{ style }}) {% endif %}{% endif %}"
+)
+# One added token holding a whole tool call, so a logit bias can make a random model call.
+TOOL_CALL = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
 TOKENIZER_VOCAB = 300
 EXTRA_ROWS = 20  # embedding rows beyond the tokenizer, like Qwen's padded vocab
 
 
-def build_tokenizer(path: Path, bos: bool = True) -> int:
-    """Train a byte-level BPE tokenizer and save it the way transformers reads it."""
+def build_tokenizer(path: Path, bos: bool = True, tools: bool = False) -> int:
+    """Train a byte-level BPE tokenizer and save it the way transformers reads it.
+
+    With `tools`, the chat template is `TOOL_CHAT_TEMPLATE` and `TOOL_CALL` is
+    one more token (id `TOKENIZER_VOCAB`, inside the model's padded vocabulary).
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -46,15 +72,18 @@ def build_tokenizer(path: Path, bos: bool = True) -> int:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
         )
+    vocab = tok.get_vocab_size()
+    if tools:
+        tok.add_tokens([AddedToken(TOOL_CALL, special=False, normalized=False)])
     tok.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>" if bos else None,
         "eos_token": "</s>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
+    return vocab
 
 
 def save_target(
@@ -70,10 +99,11 @@ def save_target(
     bos: bool = True,
     seed: int = 0,
     nested_rope: bool = False,
+    tools: bool = False,
 ) -> Path:
     """A tiny random mlx-lm target (llama or qwen3) with tokenizer, saved to `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(path, bos=bos) + EXTRA_ROWS
+    vocab = build_tokenizer(path, bos=bos, tools=tools) + EXTRA_ROWS
     config = {
         "model_type": family,
         "hidden_size": hidden,
@@ -239,6 +269,27 @@ DFLASH2 = {
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+def mlx_lm_greedy(
+    model: nn.Module, prompt: list[int], max_tokens: int, eos: set[int], **settings
+) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's own greedy tokens with `make_logits_processors(**settings)`, stopped at EOS
+    (included), and the logprobs vector of each."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(**settings)
+    tokens, logprobs = [], []
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors
+    )
+    for token, vector in steps:
+        tokens.append(int(token))
+        logprobs.append(vector)
+        if token in eos:
+            break
+    return tokens, logprobs
 
 
 def reference_greedy(model: nn.Module, prompt: list[int], max_tokens: int, eos: set[int]) -> list:

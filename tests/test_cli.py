@@ -8,7 +8,7 @@ import sys
 
 import pexpect
 import pytest
-from helpers import reference_greedy
+from helpers import mlx_lm_greedy
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
@@ -18,14 +18,25 @@ TIMEOUT = 90
 STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"
 
 
-def greedy_text(loaded, prompt: str, max_tokens: int, chat: bool = True) -> tuple[str, int]:
-    """Text and token count of mlx-lm's own greedy decode of `prompt`, as streamed text."""
-    model, tokenizer, _ = loaded("llama-tied-gqa")
+def greedy_text(
+    loaded,
+    prompt: str,
+    max_tokens: int,
+    chat: bool = True,
+    name: str = "llama-tied-gqa",
+    **settings,
+) -> tuple[str, int]:
+    """Text and token count of mlx-lm's own greedy decode of `prompt` (a user message, or
+    the raw text), as streamed text; `settings` for `make_logits_processors`."""
+    model, tokenizer, _ = loaded(name)
     text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
-    tokens = reference_greedy(model, tokenizer.encode(text), max_tokens, set())
+    return decode_greedy(model, tokenizer, text, max_tokens, **settings)
+
+
+def decode_greedy(model, tokenizer, text: str, max_tokens: int, **settings) -> tuple[str, int]:
+    """`greedy_text` of an already rendered prompt."""
     eos = set(tokenizer.eos_token_ids)
-    if eos & set(tokens):
-        tokens = tokens[: min(tokens.index(t) for t in eos & set(tokens)) + 1]
+    tokens, _ = mlx_lm_greedy(model, tokenizer.encode(text), max_tokens, eos, **settings)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     for t in tokens:
@@ -57,6 +68,31 @@ def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_p
     text, n = greedy_text(loaded, "Alice has", 12, chat=False)
     assert out.stdout == text + "\n"
     assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
+
+
+def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pair, loaded):
+    target, draft = make_pair("llama-tools")
+    flags = """--repetition-penalty 1.3 --frequency-penalty 0.4 --logit-bias '{"57": 6}'"""
+    flags += """ --chat-template-config '{"style": "terse"}'"""
+    out = dflash(f"generate --model {target} --draft {draft} --json -m 16 {flags}", "Alice has")
+    assert out.returncode == 0, out.stderr
+    model, tokenizer, _ = loaded("llama-tools")
+    text = chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}], style="terse")
+    settings = dict(repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={57: 6.0})
+    expected, n = decode_greedy(model, tokenizer, text, 16, **settings)
+    assert expected != decode_greedy(model, tokenizer, text, 16)[0]
+    assert json.loads(out.stdout)["text"] == expected
+    bad = dflash(f"generate --model {target} --draft {draft} --logit-bias 5 -p x")
+    assert bad.returncode == 2 and "--logit-bias" in bad.stderr
+
+
+def test_chat_template_config_reaches_every_turn(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-tools")
+    chat = Chat(model, tokenizer, draft, {"max_tokens": 4}, None, True, {"style": "terse"})
+    chat.ask("How many apples?")
+    text = chat_prompt(tokenizer, chat.messages[:1], style="terse")
+    assert "(terse)" in text
+    assert chat.cache.tokens[: len(tokenizer.encode(text))] == tokenizer.encode(text)
 
 
 def test_unreachable_hub_model_is_a_clear_error(make_pair):

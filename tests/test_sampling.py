@@ -4,7 +4,7 @@ distribution (chi-square against exactly computed target probabilities, p-value 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_presence_penalty, make_sampler
 from scipy.stats import chisquare
 
 from dflash_mlx import stream_generate
@@ -156,3 +156,38 @@ def test_bad_sampling_arguments():
         make_verifier(0.5, acceptance="eager")
     with pytest.raises(ValueError, match="temperature"):
         make_verifier(-1.0)
+
+
+def test_speculative_sampling_with_a_processor_emits_the_processed_distribution():
+    """With a processor that depends on earlier tokens, the first token follows the target
+    processed after the context, and the next one, after an accepted draft a, the target
+    processed after context + [a]: each position sees exactly the tokens before it."""
+    rng = np.random.default_rng(4)
+    vocab, context = 5, [0, 3]
+    p = rng.dirichlet(np.ones(vocab), size=3)
+    q = rng.dirichlet(np.ones(vocab), size=2)
+    p_logits, q_logits = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
+    penalty = 1.5
+    verifier = make_verifier(1.0, processors=[make_presence_penalty(penalty, 20)])
+
+    def processed(row: np.ndarray, seen: list[int]) -> np.ndarray:
+        out = np.log(row) - penalty * np.isin(np.arange(vocab), seen)
+        return np.exp(out) / np.exp(out).sum()
+
+    mx.random.seed(2)
+    first, after = [], {a: [] for a in range(vocab)}
+    for _ in range(6000):
+        drafts, q_logprobs = verifier.propose(q_logits, context)
+        verdict = verifier.verify(drafts, q_logprobs, p_logits, context)
+        d, m = drafts.tolist(), verdict.matches.tolist()
+        n = 0 if not m[0] else 1 if not m[1] else 2
+        tokens = d[:n] + [verdict.token_after(n)]
+        first.append(tokens[0])
+        if n >= 1:
+            after[d[0]].append(tokens[1])
+    assert chi2_pvalue(np.array(first), processed(p[0], context)) > SIGNIFICANCE
+    groups = [a for a in range(vocab) if len(after[a]) >= 300]
+    assert len(groups) >= 2
+    for a in groups:
+        expected = processed(p[1], context + [a])
+        assert chi2_pvalue(np.array(after[a]), expected) > SIGNIFICANCE / vocab

@@ -8,9 +8,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import helpers
 import openai
 import pytest
-from test_cli import greedy_text
+from test_cli import decode_greedy, greedy_text
+from test_stops import stop_in
+
+from dflash_mlx.session import chat_prompt
 
 PROMPTS = [
     "How many apples?",
@@ -30,11 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(make_pair, tmp_path_factory):
-    target, draft = make_pair("llama-tied-gqa")
+def start_server(target, draft, log) -> tuple[subprocess.Popen, int]:
+    """`dflash-mlx serve` on a free port, once it answers /health."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
     cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port)]
     with open(log, "w") as out:
@@ -43,12 +45,17 @@ def server(make_pair, tmp_path_factory):
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if get(port, "/health")[0] == 200:
-                break
+                return proc, port
         except OSError:
             time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read_text()}")
+    proc.kill()
+    pytest.fail(f"server did not start:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(make_pair, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, port = start_server(*make_pair("llama-tied-gqa"), log)
     yield port, log
     proc.terminate()
     proc.wait(timeout=20)
@@ -166,6 +173,9 @@ def test_client_disconnect_stops_its_generation(server, client):
     assert "client gone: stopped after" in log.read_text()
 
 
+MESSAGES = b'{"messages": [{"role": "user", "content": "hi"}]}'
+
+
 @pytest.mark.parametrize(
     "path, body, message",
     [
@@ -176,7 +186,17 @@ def test_client_disconnect_stops_its_generation(server, client):
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"),
         ("/v1/completions", b'{"prompt": "hi", "temperature": -1}', "temperature"),
         ("/v1/completions", b'{"prompt": [1, 2, 999999]}', "vocabulary"),
-        ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n"),
+        ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n=3 is not supported"),
+        ("/v1/completions", b'{"prompt": ["hi", "yo"]}', "one prompt per request"),
+        ("/v1/completions", b'{"prompt": "hi", "echo": true}', "echo=true"),
+        ("/v1/completions", b'{"prompt": "hi", "xtc_probability": 0.5}', "xtc_probability"),
+        ("/v1/chat/completions", MESSAGES[:-1] + b', "tool_choice": "required"}', "tool_choice"),
+        (
+            "/v1/chat/completions",
+            MESSAGES[:-1] + b', "response_format": {"type": "json_object"}}',
+            "response_format",
+        ),
+        ("/v1/chat/completions", MESSAGES[:-1] + b', "stop": 5}', "stop"),
     ],
 )
 def test_malformed_requests_get_400_with_a_message(server, path, body, message):
@@ -188,3 +208,182 @@ def test_malformed_requests_get_400_with_a_message(server, path, body, message):
 def test_negative_max_tokens_is_a_bad_request_for_the_client(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         chat(client, "hi", max_tokens=-3)
+
+
+def test_stop_strings_end_the_reply_before_them_streaming_or_not(client, loaded):
+    reference, _ = greedy_text(loaded, PROMPTS[5], 40)
+    early, late = stop_in(reference, 6), stop_in(reference, 14)
+    expected = reference[: reference.index(early)]
+    reply = chat(client, PROMPTS[5], max_tokens=40, stop=[late, early])
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(chat(client, PROMPTS[5], max_tokens=40, stop=early, stream=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(pieces) == expected and not any(early in p for p in pieces)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    reference, _ = greedy_text(loaded, PROMPTS[5], 40, chat=False)
+    stop = stop_in(reference, 1)
+    completion = client.completions.create(model="d", prompt=PROMPTS[5], max_tokens=40, stop=stop)
+    assert completion.choices[0].text == reference[: reference.index(stop)]
+
+
+def test_list_prompt_and_max_completion_tokens(client, loaded):
+    text, n = greedy_text(loaded, PROMPTS[3], 9, chat=False)
+    completion = client.completions.create(model="d", prompt=[PROMPTS[3]], max_tokens=9)
+    assert completion.choices[0].text == text and completion.usage.completion_tokens == n
+    text, n = greedy_text(loaded, PROMPTS[4], 7)
+    reply = client.chat.completions.create(
+        model="d", messages=[{"role": "user", "content": PROMPTS[4]}], max_completion_tokens=7
+    )
+    assert reply.choices[0].message.content == text and reply.usage.completion_tokens == n
+
+
+def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, loaded):
+    settings = dict(
+        repetition_penalty=1.3, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={57: 6.0}
+    )
+    expected, n = greedy_text(loaded, PROMPTS[6], 24, **settings)
+    assert expected != greedy_text(loaded, PROMPTS[6], 24)[0]  # the settings change the reply
+    reply = chat(
+        client,
+        PROMPTS[6],
+        max_tokens=24,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        logit_bias={"57": 6.0},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == n
+    bias = {57: -4.0, 120: 5.0}
+    expected, _ = greedy_text(loaded, PROMPTS[7], 16, chat=False, logit_bias=bias)
+    completion = client.completions.create(
+        model="d", prompt=PROMPTS[7], max_tokens=16, logit_bias={"57": -4.0, "120": 5.0}
+    )
+    assert completion.choices[0].text == expected
+
+
+@pytest.fixture(scope="module")
+def tool_client(make_pair, tmp_path_factory):
+    """A server on llama-tools: the same weights, a tool-calling chat template."""
+    log = tmp_path_factory.mktemp("tool-server") / "server.log"
+    proc, port = start_server(*make_pair("llama-tools"), log)
+    yield openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+    )
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_tool_call_round_trip(tool_client, loaded):
+    model, tokenizer, _ = loaded("llama-tools")
+    call_token = tokenizer.convert_tokens_to_ids(helpers.TOOL_CALL)
+    eos = tokenizer.eos_token_id
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # The bias makes the model emit the call token once (the presence penalty then
+    # outweighs it), then EOS: a tool call as a real model would make one.
+    forced = dict(logit_bias={str(call_token): 100.0, str(eos): 50.0}, presence_penalty=200.0)
+    for stream in (False, True):
+        request = dict(model="d", messages=messages, tools=[WEATHER], max_tokens=8, **forced)
+        if stream:
+            chunks = list(tool_client.chat.completions.create(stream=True, **request))
+            calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+            assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+            call = calls[0].choices[0].delta.tool_calls[0]
+        else:
+            reply = tool_client.chat.completions.create(**request)
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert reply.choices[0].message.content is None
+            call = made = reply.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    answer = [
+        {"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+        {"role": "tool", "tool_call_id": made.id, "content": "22 C and sunny"},
+    ]
+    reply = tool_client.chat.completions.create(
+        model="d", messages=messages + answer, tools=[WEATHER], max_tokens=12
+    )
+    # What mlx-lm renders from the same conversation (arguments as an object).
+    rendered_call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    template_messages = [
+        *messages,
+        {"role": "assistant", "content": "", "tool_calls": [rendered_call]},
+        {"role": "tool", "content": "22 C and sunny"},
+    ]
+    text = chat_prompt(tokenizer, template_messages, [WEATHER])
+    assert '"get_weather"' in text and "22 C and sunny" in text
+    expected, n = decode_greedy(model, tokenizer, text, 12)
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == n
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
+    model, tokenizer, _ = loaded("llama-tools")
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    text = chat_prompt(tokenizer, messages, style="terse")
+    assert "(terse)" in text
+    reply = tool_client.chat.completions.create(
+        model="d",
+        messages=messages,
+        max_tokens=10,
+        extra_body={"chat_template_kwargs": {"style": "terse"}},
+    )
+    expected, _ = decode_greedy(model, tokenizer, text, 10)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+    plain = tool_client.chat.completions.create(model="d", messages=messages, max_tokens=10)
+    assert plain.usage.prompt_tokens < reply.usage.prompt_tokens
+
+
+def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    settings = dict(presence_penalty=0.5)  # logprobs are after the processors, as mlx-lm's
+    text = chat_prompt(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
+    eos = set(tokenizer.eos_token_ids)
+    tokens, vectors = helpers.mlx_lm_greedy(model, tokenizer.encode(text), 12, eos, **settings)
+    request = dict(max_tokens=12, logprobs=True, top_logprobs=3, presence_penalty=0.5)
+
+    def check(entries) -> None:
+        assert [e.model_extra["id"] for e in entries] == tokens
+        for entry, vector in zip(entries, vectors, strict=True):
+            assert entry.logprob == pytest.approx(vector[entry.model_extra["id"]].item(), abs=1e-3)
+            best = sorted(range(vector.size), key=lambda i: -vector[i].item())[:3]
+            assert [t.model_extra["id"] for t in entry.top_logprobs] == best
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                [vector[i].item() for i in best], abs=1e-3
+            )
+            assert entry.token == tokenizer.convert_ids_to_tokens(entry.model_extra["id"])
+
+    check(chat(client, PROMPTS[2], **request).choices[0].logprobs.content)
+    chunks = list(chat(client, PROMPTS[2], stream=True, **request))
+    check(
+        [
+            e
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
+    )
+    assert chat(client, PROMPTS[2], max_tokens=4).choices[0].logprobs is None
+
+    completion = client.completions.create(
+        model="d", prompt=text, max_tokens=12, logprobs=2, presence_penalty=0.5
+    )
+    logprobs = completion.choices[0].logprobs  # the completions API's shape too
+    assert logprobs.tokens == tokenizer.convert_ids_to_tokens(tokens)
+    assert logprobs.token_logprobs == pytest.approx(
+        [v[t].item() for t, v in zip(tokens, vectors, strict=True)], abs=1e-3
+    )
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)

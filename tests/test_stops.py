@@ -1,0 +1,42 @@
+"""Stop strings: the pure matcher, and `generate --stop` against mlx-lm's greedy text."""
+
+import json
+
+from test_cli import dflash, greedy_text
+
+from dflash_mlx.stops import StopStrings
+
+
+def stop_in(text: str, start: int = 6) -> str:
+    """A 3-character stop string (letters, digits, spaces) first occurring in `text` past
+    `start`."""
+    for i in range(start, len(text) - 3):
+        candidate = text[i : i + 3]
+        plain = all(c.isascii() and (c.isalnum() or c == " ") for c in candidate)
+        if plain and text.index(candidate) == i:
+            return candidate
+    raise AssertionError(f"no stop string to pick in {text!r}")
+
+
+def test_a_stop_string_split_across_pieces_ends_the_text_before_it():
+    matcher = StopStrings(["END", "\n\n"])
+    fed = [matcher.feed(piece) for piece in ["hello E", "N", "x wor", "ld\n", "\nmore"]]
+    assert fed == [("hello ", False), ("", False), ("ENx wor", False), ("ld", False), ("", True)]
+    matcher = StopStrings(["abc"])
+    assert matcher.feed("xab") == ("x", False)
+    assert matcher.flush() == "ab"  # the reply ended without the stop string: nothing is lost
+    assert StopStrings([""]).feed("text") == ("text", False)  # an empty stop string is no stop
+
+
+def test_generate_stop_cuts_greedy_output_at_the_earliest_stop_string(make_pair, loaded):
+    target, draft = make_pair("llama-tied-gqa")
+    reference, _ = greedy_text(loaded, "Alice has 3 apples", 40)
+    early, late = stop_in(reference, 6), stop_in(reference, 14)
+    flags = f"--stop '{late}' --stop '{early}' --block-size 4"
+    out = dflash(
+        f"generate --model {target} --draft {draft} --json -m 40 {flags}", "Alice has 3 apples"
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["text"] == reference[: reference.index(early)]
+    assert result["finish_reason"] == "stop"
