@@ -1,5 +1,6 @@
 """`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty."""
 
+import argparse
 import json
 import re
 import shlex
@@ -57,6 +58,23 @@ def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_p
     text, n = greedy_text(loaded, "Alice has", 12, chat=False)
     assert out.stdout == text + "\n"
     assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
+
+
+def test_no_draft_sampling_follows_the_seed(make_pair):
+    target, _ = make_pair("llama-tied-gqa")
+    run = "generate --model {} --no-draft --no-chat-template -p 'Alice has' -m 24 --temp 2 --seed {}"
+    outs = [dflash(run.format(target, seed)) for seed in (1, 1, 2)]
+    assert all(out.returncode == 0 for out in outs), outs[-1].stderr
+    assert outs[0].stdout == outs[1].stdout != outs[2].stdout
+
+
+def test_no_draft_loads_no_drafter(make_pair):
+    from dflash_mlx.session import add_model_arguments, load_models
+
+    target, _ = make_pair("llama-tied-gqa")
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert load_models(parser.parse_args(["--model", str(target), "--no-draft"]))[2] is None
 
 
 def test_unreachable_hub_model_is_a_clear_error(make_pair):

@@ -167,6 +167,23 @@ def test_capture_hooks_are_removed_after_generation(loaded):
     assert all("_dflash_sink" not in vars(layer) for layer in model.layers)
 
 
+def test_no_drafter_decodes_greedily_without_hooking_a_layer(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    classes = [type(layer) for layer in model.layers]
+    prompt = prompt_of(17, seed=4)
+    expected = reference_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))
+    cache = dflash_mlx.make_prompt_cache(model, None)
+    gen = stream_generate(model, None, tokenizer, prompt, max_tokens=30, prompt_cache=cache)
+    tokens = list(next(gen).tokens)
+    assert [type(layer) for layer in model.layers] == classes  # nothing hooked
+    tokens += [t for r in gen for t in r.tokens]
+    assert tokens == expected and cache.draft == []
+    with pytest.raises(ValueError, match="needs a drafter"):
+        stream_generate(model, None, tokenizer, prompt, block_size=4)
+    with pytest.raises(ValueError, match="different drafter"):
+        stream_generate(model, draft, tokenizer, prompt, prompt_cache=cache)
+
+
 def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
     from dflash_mlx.checkpoint import init_draft
 
