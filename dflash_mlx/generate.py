@@ -224,7 +224,7 @@ def _speculate(
     draft_head = target.draft_head(cfg.draft_vocab) if cfg else None
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    capture = target.capture(cfg.target_layer_ids) if cfg else nullcontext({})
+    capture = target.capture(cfg.target_layer_ids, cache) if cfg else nullcontext({})
 
     with capture as captured, wired_limit(model):
 

@@ -4,11 +4,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import read_config, save_target
+from helpers import read_config, reference_greedy, save_target
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
@@ -75,6 +76,51 @@ def test_captured_features_are_the_layer_outputs(loaded):
         for i in (1, 4):
             assert mx.allclose(captured[i], expected[i], atol=1e-5)
     assert type(target.layers[1]).__name__ == "TransformerBlock"
+
+
+def test_a_second_generation_on_the_same_model_is_refused_while_one_runs(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    expected = reference_greedy(model, [5, 6, 7], 20, set(tokenizer.eos_token_ids))
+    started, release = threading.Event(), threading.Event()
+    first: list[int] = []
+
+    def hold_a_generation() -> None:
+        responses = stream_generate(model, draft, tokenizer, [5, 6, 7], max_tokens=20)
+        first.extend(next(responses).tokens)
+        started.set()
+        release.wait()
+        first.extend(t for r in responses for t in r.tokens)
+
+    holder = threading.Thread(target=hold_a_generation)
+    holder.start()
+    try:
+        assert started.wait(120)
+        second = stream_generate(model, draft, tokenizer, [8, 9], max_tokens=5)
+        with pytest.raises(RuntimeError, match="already being generated"):
+            next(second)
+    finally:
+        release.set()
+        holder.join()
+    assert first == expected
+    again = stream_generate(model, draft, tokenizer, [5, 6, 7], max_tokens=20)
+    assert [t for r in again for t in r.tokens] == expected
+
+
+def test_mlx_lm_decoding_the_same_model_beside_a_capture_is_not_recorded(loaded):
+    model, _, _ = loaded("llama-untied-mha")
+    target = TargetAdapter(model)
+    ours = target.make_cache()
+    with target.capture([1], ours) as captured:
+        model(mx.array([[5, 9, 33, 70]]), cache=ours)
+        recorded = captured[1]
+        beside = threading.Thread(
+            target=lambda: reference_greedy(model, [11, 12], 3, set())  # mlx-lm's own caches
+        )
+        beside.start()
+        beside.join()
+        assert captured[1] is recorded
+        model(mx.array([[8]]), cache=ours)
+        assert captured[1].shape[1] == 1
 
 
 def test_unsupported_family_names_itself_and_the_supported_ones(loaded):
