@@ -9,10 +9,13 @@ it. FastAPI gives validated requests (pydantic) and streaming on a maintained
 ASGI stack, and leaves us only the OpenAI response shapes to write.
 
 One worker thread owns the model and runs one generation at a time; requests
-wait their turn in arrival order. The worker shares one prompt cache across
-requests (a follow-up turn of a chat prefills only its new part). A streaming
-client that disconnects sets its job's stop flag, which the worker checks
-after every verify cycle before moving on to the next request.
+wait their turn in arrival order, at most `--max-queue` of them (more get 503
+with Retry-After). The worker shares one prompt cache across requests (a
+follow-up turn of a chat prefills only its new part). A client that
+disconnects, streaming or not, sets its job's stop flag, which the worker
+checks after every verify cycle before moving on to the next request. Chat
+templates are rendered and prompts tokenized on a thread of their own, so a
+long prompt does not stall the event loop (and every open stream with it).
 """
 
 from __future__ import annotations
@@ -104,20 +107,44 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
         return error(400, f"{where or 'body'}: {first['msg']}", where or None)
 
 
+DEFAULT_MAX_QUEUE = 16
+RETRY_AFTER_S = 5
+
+
+class QueueFull(Exception):
+    """More requests are waiting for the worker than the server takes."""
+
+
 class Worker:
     """Runs generations one at a time on a single thread; the model and cache live there."""
 
-    def __init__(self, model, tokenizer, draft, defaults: dict[str, Any]):
+    def __init__(
+        self, model, tokenizer, draft, defaults: dict[str, Any], max_queue: int = DEFAULT_MAX_QUEUE
+    ):
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
         self.cache = make_prompt_cache(model, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
+        self.max_queue = max_queue
+        self.pending = 0  # generations queued or running
+        self._pending_lock = threading.Lock()
+
+    async def prepare(self, messages: list[dict[str, str]] | None, prompt: str | list[int]):
+        """Token ids of a chat (rendered with the template) or of a prompt, off the event loop."""
+
+        def render() -> list[int]:
+            text = prompt if messages is None else chat_prompt(self.tokenizer, messages)
+            return encode_prompt(self.tokenizer, text)
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, render)
 
     def _run(self, prompt, kwargs, seed, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
+            log.info("generating: %d prompt tokens", len(prompt))
             if seed is not None:
                 mx.random.seed(seed)
             responses = stream_generate(
@@ -134,12 +161,18 @@ class Worker:
         except Exception as exc:
             put(exc)
         finally:
+            with self._pending_lock:
+                self.pending -= 1
             put(None)
 
     def submit(
         self, prompt: list[int], kwargs: dict[str, Any], seed: int | None, stop: threading.Event
     ) -> AsyncIterator[GenerationResponse]:
-        """Queue a generation; iterate the result for its responses."""
+        """Queue a generation; iterate the result for its responses. QueueFull if no room."""
+        with self._pending_lock:
+            if self.pending > self.max_queue:  # one runs, max_queue wait
+                raise QueueFull
+            self.pending += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -189,24 +222,26 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             for m in body.messages
         ]
         try:
-            prompt = chat_prompt(worker.tokenizer, messages)
+            ids = await worker.prepare(messages, "")
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             return error(400, f"messages: the chat template failed: {exc}", "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await complete(body, prompt, max_tokens, "chat.completion")
+        return await complete(request, body, ids, max_tokens, "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, TextRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await complete(body, body.prompt, body.max_tokens, "text_completion")
-
-    async def complete(body: CompletionParams, prompt, max_tokens: int | None, kind: str):
         try:
-            ids = encode_prompt(worker.tokenizer, prompt)
+            ids = await worker.prepare(None, body.prompt)
         except ValueError as exc:
             return error(400, str(exc), "prompt")
+        return await complete(request, body, ids, body.max_tokens, "text_completion")
+
+    async def complete(
+        request: Request, body: CompletionParams, ids: list[int], max_tokens: int | None, kind: str
+    ):
         if any(not 0 <= t < worker.vocab_size for t in ids):
             return error(400, "prompt: token ids must be in the vocabulary", "prompt")
         room = worker.max_context - len(ids) if worker.max_context else None
@@ -224,7 +259,14 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         kwargs = {**worker.defaults, **{k: v for k, v in requested.items() if v is not None}}
         kwargs["max_tokens"] = min(kwargs["max_tokens"], room or kwargs["max_tokens"])
         stop = threading.Event()
-        responses = worker.submit(ids, kwargs, body.seed, stop)
+        try:
+            responses = worker.submit(ids, kwargs, body.seed, stop)
+        except QueueFull:
+            response = error(
+                503, f"the server is busy ({worker.max_queue} requests waiting); retry later"
+            )
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         reply = Reply(kind, model_id, body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -233,14 +275,27 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 media_type="text/event-stream",
                 background=BackgroundTask(stop.set),
             )
+        watcher = asyncio.create_task(stop_on_disconnect(request, stop))
         try:
             async for response in responses:
                 reply.stats.add(response)
         except Exception as exc:
             return error(500, f"generation failed: {exc}")
+        finally:
+            watcher.cancel()
         return reply.whole()
 
     return app
+
+
+async def stop_on_disconnect(request: Request, stop: threading.Event) -> None:
+    """Set `stop` when the client of a non-streaming request goes away.
+
+    The body has been read, so the next ASGI message is the disconnect.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stop.set()
 
 
 class Reply:
@@ -319,13 +374,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait for the model; more get 503 with Retry-After",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
     model, tokenizer, draft = load_models(args)
-    worker = Worker(model, tokenizer, draft, generation_kwargs(args))
+    worker = Worker(model, tokenizer, draft, generation_kwargs(args), args.max_queue)
     app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
