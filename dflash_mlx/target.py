@@ -72,8 +72,10 @@ def load(
         model, tokenizer = mlx_lm_load(str(path), model_config=model_config, **kwargs)
     except (FileNotFoundError, ValueError):
         raise
-    except Exception as exc:
-        raise ValueError(f"mlx-lm could not load the target at {path}: {exc}") from None
+    except Exception as exc:  # the cause stays chained for callers and tracebacks
+        raise ValueError(
+            f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
+        ) from exc
     cast_model(model, dtype if dtype is not None else default_dtype())
     mx.eval(model.parameters())
     return model, tokenizer

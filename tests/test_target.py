@@ -123,6 +123,16 @@ def test_mlx_lm_decoding_the_same_model_beside_a_capture_is_not_recorded(loaded)
         assert captured[1].shape[1] == 1
 
 
+def test_a_target_mlx_lm_cannot_load_keeps_the_cause(workdir):
+    target = save_target(workdir / "no-hidden-size")
+    config = read_config(target)
+    del config["hidden_size"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="TypeError: .*hidden_size") as e:
+        dflash_mlx.load(target)
+    assert isinstance(e.value.__cause__, TypeError)
+
+
 def test_unsupported_family_names_itself_and_the_supported_ones(loaded):
     _, tokenizer, draft = loaded("llama-tied-gqa")
     args = gemma3_text.ModelArgs(

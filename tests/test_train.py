@@ -182,6 +182,23 @@ def test_prompts_are_disjoint_from_the_bench_suite():
     assert not any(_shingles(p["prompt"]) & held_out for p in prompts)
 
 
+def test_replies_file_drops_only_a_torn_last_line_and_resumes_cleanly(loaded, tmp_path):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    prompts = build_prompts(40, seed=1)[:3]
+    path = tmp_path / "replies.jsonl"
+    extend_dataset(model, tokenizer, prompts[:1], path, 4, batch_size=2)
+    whole = path.read_text()
+    path.write_text(whole + whole[: len(whole) // 2])  # the second record cut mid-write
+    assert [r["id"] for r in read_records(path)] == [prompts[0]["id"]]
+    extend_dataset(model, tokenizer, prompts, path, 4, batch_size=2)
+    assert sorted(r["id"] for r in read_records(path)) == sorted(p["id"] for p in prompts)
+
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:-3], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=r"replies.jsonl:2 is not a JSON record"):
+        read_records(path)
+
+
 def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     """Self-distil a tiny target, cache features, train: real decoding on held-out prompts
     accepts more. The target's weights are scaled down from the test helper's (which makes
