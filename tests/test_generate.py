@@ -196,19 +196,26 @@ def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
     assert run(model, draft, tokenizer, prompt, max_tokens=40)[0] == expected
 
 
+class RecordingPromptCache(dflash_mlx.PromptCache):
+    """Remembers how many positions each generation found already in the cache."""
+
+    def reuse(self, prompt: list[int]) -> int:
+        self.reused = super().reuse(prompt)
+        return self.reused
+
+
 def test_prompt_cache_prefills_only_the_new_turn_and_stays_lossless(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    cache = dflash_mlx.make_prompt_cache(model, draft)
+    fresh = dflash_mlx.make_prompt_cache(model, draft)
+    cache = RecordingPromptCache(fresh.target, fresh.draft)
     first = prompt_of(40, seed=11)
     reply, responses = run(model, draft, tokenizer, first, max_tokens=20, prompt_cache=cache)
-    assert responses[0].prompt_tokens == 40
+    assert responses[0].prompt_tokens == 40 and cache.reused == 0
     second = first + reply + prompt_of(7, seed=12)
     expected = reference_greedy(model, second, 30, set(tokenizer.eos_token_ids))
-    gen = stream_generate(model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache)
-    reused = len(cache.tokens)
-    tokens = [t for r in gen for t in r.tokens]
+    tokens, _ = run(model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache)
     assert tokens == expected
-    assert reused == len(first) + len(reply) - 1  # the last reply token was never fed
+    assert cache.reused == len(first) + len(reply) - 1  # the last reply token was never fed
 
 
 def test_prompt_cache_survives_an_interrupted_reply(loaded):
@@ -222,6 +229,14 @@ def test_prompt_cache_survives_an_interrupted_reply(loaded):
     expected = reference_greedy(model, edited, 25, set(tokenizer.eos_token_ids))
     assert run(model, draft, tokenizer, edited, max_tokens=25, prompt_cache=cache)[0] == expected
     assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
+
+
+@pytest.mark.parametrize("prompt_len", [2048, 2049, 3000])
+def test_prompts_longer_than_a_prefill_chunk_equal_mlx_lm(loaded, prompt_len):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    prompt = prompt_of(prompt_len, seed=prompt_len)
+    expected = reference_greedy(model, prompt, 16, set(tokenizer.eos_token_ids))
+    assert run(model, draft, tokenizer, prompt, max_tokens=16)[0] == expected
 
 
 def test_generation_stops_where_the_context_is_full(loaded):

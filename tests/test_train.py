@@ -278,6 +278,10 @@ def test_exports_load_and_agree(tiny, tmp_path):
     export_converted(draft, tmp_path / "ours", "# card\n", dtype="float32")
     export_published(draft, tmp_path / "published", dtype="float32")
     feats = features_of(model, np.arange(20))[None]
+    # A block as drafting sees it: real token embeddings (zeros would leave q/k projections,
+    # norms and RoPE unexercised), the last committed token followed by mask tokens.
+    block = mx.array([[20] + [draft.config.mask_token_id] * 7])
+    embedded = TargetAdapter(model).embed_tokens(block)
     outs = []
     for d in (
         draft,
@@ -286,8 +290,9 @@ def test_exports_load_and_agree(tiny, tmp_path):
     ):
         cache = d.make_cache()
         d.append_context(feats, cache)
-        outs.append(d(mx.zeros((1, 8, 64)), cache))
+        outs.append(d(embedded, cache))
     assert mx.allclose(outs[0], outs[1]).item() and mx.allclose(outs[0], outs[2]).item()
+    assert mx.abs(outs[0][0, 0] - outs[0][0, 1]).max().item() > 1e-3  # the token mattered
     assert (tmp_path / "ours" / "README.md").read_text() == "# card\n"
 
 
