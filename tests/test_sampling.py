@@ -218,7 +218,7 @@ def test_block_of_four_is_exact_in_distribution(loaded, name):
     drafter = NoisyBlockOracleDraft(draft, model, prompt, seed=1)
     mx.random.seed(4)
     third, fourth, accepted = [], [], []
-    for _ in range(600):
+    for _ in range(1000):
         responses = list(
             stream_generate(
                 model, drafter, tokenizer, prompt, block_size=4, max_tokens=5, **setting
