@@ -110,6 +110,12 @@ def test_quantized_drafts_mostly_agree(published, workdir, bits, min_agreement):
     _, draft_dir, model, draft, contexts, blocks = published
     out = convert_draft(draft_dir, workdir / f"conv-q{bits}", q_bits=bits, q_group_size=32)
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+    stored = mx.load(str(out / "model.safetensors"))
+    for name, w in tree_flatten(draft.parameters()):
+        if name.endswith("proj.weight"):  # every attention and MLP matrix, packed
+            packed = stored[name]
+            assert packed.dtype == mx.uint32 and packed.shape[-1] * 32 // bits == w.shape[-1]
+            assert f"{name.removesuffix('weight')}scales" in stored
     converted = load_draft(out)
     reference = drafts_for(draft, model, contexts, blocks)
     agreement = (reference == drafts_for(converted, model, contexts, blocks)).mean()
@@ -123,6 +129,12 @@ def test_quantized_drafter_is_dequantized_on_cpu(published, workdir):
     model = load_draft(out)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     assert {p.dtype for _, p in tree_flatten(model.parameters())} == {mx.float32}
+    # The values are the 4-bit ones: near the originals, not equal to them.
+    original = dict(tree_flatten(published[3].parameters()))
+    for name, w in tree_flatten(model.parameters()):
+        if name.endswith("proj.weight"):
+            error = mx.abs(w - original[name]).max().item()
+            assert 0 < error < 0.2 * mx.abs(original[name]).max().item(), name
 
 
 def test_convert_cli_in_subprocess(published, workdir):

@@ -186,7 +186,24 @@ def test_tiny_gguf_logits_match_reference(tiny, tmp_path, dequantize):
         assert "model.layers.0.self_attn.o_proj" not in config["quantization"]
 
     model, _ = load(str(out))
-    ref = llama.Model(llama.ModelArgs.from_dict(config))
+    # The reference model is built from what the file was written with, not from the
+    # converter's config: a wrong head count, eps or vocabulary there must show.
+    c = TINY
+    ref = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=c["dim"],
+            num_hidden_layers=c["layers"],
+            intermediate_size=c["ffn"],
+            num_attention_heads=c["heads"],
+            num_key_value_heads=c["kv_heads"],
+            head_dim=c["head_dim"],
+            rms_norm_eps=1e-5,
+            vocab_size=len(tiny_vocab()),
+            rope_theta=c["theta"],
+            tie_word_embeddings=False,
+        )
+    )
     ref.load_weights([(k, mx.array(v)) for k, v in reference.items()])
     tokens = mx.array([[5, 100, 7, 260, 42, 3, 200, 11]])
     expected = np.array(ref(tokens))
