@@ -10,6 +10,7 @@ import sys
 import pexpect
 import pytest
 from helpers import reference_greedy
+from test_generate import oracle_for
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
@@ -172,6 +173,14 @@ def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
         chat.ask(text)
     new = [int(n) for n in re.findall(r"\((\d+) new\)", capsys.readouterr().out)]
     return chat.messages, new
+
+
+def test_chat_reports_the_known_tau_of_an_oracle_drafter(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    ids = tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}]))
+    oracle, tau = oracle_for(model, tokenizer, draft, ids, 21, 4)
+    Chat(model, tokenizer, oracle, {"max_tokens": 21, "block_size": 4}, None, True).ask("Alice has")
+    assert f"τ {tau:.2f}, 100% accepted" in capsys.readouterr().out
 
 
 def test_chat_prompt_cache_is_lossless_and_prefills_less(loaded, capsys):

@@ -56,6 +56,29 @@ class OracleDraft(DFlashDraft):
         return 100.0 * mx.eye(self.config.vocab_size)[truth]
 
 
+def oracle_for(model, tokenizer, draft, prompt: list[int], max_tokens: int, block_size: int):
+    """(an OracleDraft for `prompt`, the τ every report must show for its reply).
+
+    Every draft is accepted, so each cycle commits `block_size` tokens but the last;
+    the first token comes from the prefill and counts in no cycle.
+    """
+    continuation = reference_greedy(model, prompt, max_tokens + block_size, set())
+    reply = reference_greedy(model, prompt, max_tokens, set(tokenizer.eos_token_ids))
+    cycles = -(-(len(reply) - 1) // block_size)
+    return OracleDraft(draft, prompt + continuation), (len(reply) - 1) / cycles
+
+
+def test_generate_prints_the_known_tau_of_an_oracle_drafter(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = prompt_of(9, seed=5)
+    oracle, tau = oracle_for(model, tokenizer, draft, prompt, 30, 4)
+    dflash_mlx.generate(model, oracle, tokenizer, prompt, verbose=True, block_size=4, max_tokens=30)
+    assert f"Acceptance: {tau:.2f} tokens per cycle, 100.0% of draft tokens accepted" in (
+        capsys.readouterr().out
+    )
+    assert tau > 3
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_oracle_drafter_is_fully_accepted(loaded, block_size):
     model, tokenizer, draft = loaded("llama-untied-mha")

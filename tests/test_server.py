@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 from mlx_lm.utils import load_tokenizer
 from test_cli import greedy_text
+from test_generate import oracle_for
 
 from dflash_mlx.server import Worker, create_app
 
@@ -305,3 +306,15 @@ def test_non_streaming_client_disconnect_stops_its_generation(server):
     wait_for(lambda: log.read_text().count(gone) > stops, "the generation to stop", timeout=300)
     stopped_after = int(log.read_text().split(gone)[-1].split()[0])
     assert stopped_after < 2524
+
+
+def test_server_reports_the_known_tau_of_an_oracle_drafter(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = [5, 17, 33, 80, 120]
+    oracle, tau = oracle_for(model, tokenizer, draft, prompt, 25, 4)
+    worker = Worker(model, tokenizer, oracle, {"max_tokens": 25, "block_size": 4})
+    with serving(worker) as port:
+        status, reply = post(port, "/v1/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 200
+    assert reply["dflash"]["tau"] == pytest.approx(tau) and tau > 3
+    assert reply["dflash"]["acceptance_rate"] == 1.0
