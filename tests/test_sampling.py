@@ -116,18 +116,24 @@ def test_generation_is_exact_in_distribution(loaded, setting):
     expected = exact_second_token(model, prompt, make_logprobs_transform(**setting))
     mx.random.seed(3)
     drafter = NoisyOracleDraft(draft, model, prompt)
-    second, accepted = [], []
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 2, **setting)
+    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
+    assert chi2_pvalue(np.array([t[1] for t in tokens]), expected) > SIGNIFICANCE
+
+
+def sample_runs(model, drafter, tokenizer, prompt, block_size: int, **setting):
+    """The tokens of 1000 generations of one full cycle after the prefill, and how many
+    drafts each one's cycle accepted."""
+    tokens, accepted = [], []
     for _ in range(1000):
         responses = list(
             stream_generate(
-                model, drafter, tokenizer, prompt, block_size=2, max_tokens=3, **setting
+                model, drafter, tokenizer, prompt, block_size, max_tokens=block_size + 1, **setting
             )
         )
-        tokens = [t for r in responses for t in r.tokens]
-        second.append(tokens[1])
+        tokens.append([t for r in responses for t in r.tokens])
         accepted.append(responses[1].accepted)
-    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
-    assert chi2_pvalue(np.array(second), expected) > SIGNIFICANCE
+    return tokens, accepted
 
 
 def test_speculative_rule_accepts_more_than_matching():
@@ -217,18 +223,8 @@ def test_block_of_four_is_exact_in_distribution(loaded, name):
     expected = exact_marginals(model, prompt, transform, 4)
     drafter = NoisyBlockOracleDraft(draft, model, prompt, seed=1)
     mx.random.seed(4)
-    third, fourth, accepted = [], [], []
-    for _ in range(1000):
-        responses = list(
-            stream_generate(
-                model, drafter, tokenizer, prompt, block_size=4, max_tokens=5, **setting
-            )
-        )
-        tokens = [t for r in responses for t in r.tokens]
-        third.append(tokens[2])
-        fourth.append(tokens[3])
-        accepted.append(responses[1].accepted)
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 4, **setting)
     counts = np.bincount(accepted, minlength=4)
     assert counts[0] > 0 and counts[1:].sum() > 0  # both accepted drafts and resamples ran
-    assert chi2_pvalue(np.array(third), expected[2]) > SIGNIFICANCE
-    assert chi2_pvalue(np.array(fourth), expected[3]) > SIGNIFICANCE
+    for k in (2, 3):
+        assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
