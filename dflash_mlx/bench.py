@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         run(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"dflash-mlx bench: error: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -30,16 +30,43 @@ def resolve_path(path_or_repo: str | Path, what: str, patterns: list[str]) -> Pa
     looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
     if looks_local:
         raise FileNotFoundError(f"{what} directory not found: {name}")
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
+    try:
         return Path(snapshot_download(name, allow_patterns=patterns))
-    except Exception as exc:  # the hub client raises many types; all mean "not available"
-        raise FileNotFoundError(
-            f"could not fetch {what} '{name}' from the Hugging Face hub "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            "If this machine is offline, pass a local directory instead."
-        ) from None
+    except Exception as exc:
+        raise hub_error(exc, what, name) from exc
+
+
+def hub_error(exc: Exception, what: str, name: str) -> Exception:
+    """What a failed hub download means for the user: gated, refused, missing or offline."""
+    from huggingface_hub import errors
+
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if isinstance(exc, errors.GatedRepoError):
+        return PermissionError(
+            f"{what} '{name}' is a gated repository on the Hugging Face hub: accept its terms "
+            "on its page, then log in with a token that may read it (`hf auth login`)"
+        )
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return FileNotFoundError(
+            f"{what} '{name}' was not found on the Hugging Face hub (HTTP {status}); if it is "
+            "private, log in with a token that may read it (`hf auth login`)"
+        )
+    if isinstance(exc, errors.HfHubHTTPError) and status in (401, 403):
+        return PermissionError(
+            f"the Hugging Face hub refused access to {what} '{name}' (HTTP {status}: {detail}); "
+            "check your token (`hf auth login`)"
+        )
+    if isinstance(exc, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+        return FileNotFoundError(
+            f"{what} '{name}' is not in the local hub cache and the hub could not be reached "
+            f"({detail}). If this machine is offline, pass a local directory instead."
+        )
+    return FileNotFoundError(
+        f"could not fetch {what} '{name}' from the Hugging Face hub ({detail})"
+    )
 
 
 def read_config(path: Path) -> dict:

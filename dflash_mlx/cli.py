@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"dflash-mlx {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -94,9 +95,9 @@ class PromptCache:
         return shared
 
 
-def make_prompt_cache(model: nn.Module, draft: DFlashDraft) -> PromptCache:
+def make_prompt_cache(model: nn.Module, draft: DFlashDraft | None) -> PromptCache:
     """An empty cache to pass as `prompt_cache=` to successive `stream_generate` calls."""
-    return PromptCache(TargetAdapter(model).make_cache(), draft.make_cache())
+    return PromptCache(TargetAdapter(model).make_cache(), draft.make_cache() if draft else [])
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> list[int]:
@@ -145,7 +146,7 @@ def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
 
 def stream_generate(
     model: nn.Module,
-    draft: DFlashDraft,
+    draft: DFlashDraft | None,
     tokenizer: TokenizerWrapper,
     prompt: str | list[int] | mx.array,
     block_size: int | None = None,
@@ -163,8 +164,10 @@ def stream_generate(
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
     `block_size` defaults to the drafter's; 1 means plain autoregressive decoding
-    through the same loop. Sampling follows mlx-lm's `make_sampler` (greedy at
-    temperature 0); a custom `sampler` maps log-probabilities to token ids.
+    through the same loop; `draft=None` decodes so without paying for a drafter
+    (no layer hooks, no drafter forwards). Sampling follows mlx-lm's
+    `make_sampler` (greedy at temperature 0); a custom `sampler` maps
+    log-probabilities to token ids.
     When sampling, `acceptance="speculative"` accepts drafts by speculative
     sampling (exact in distribution); `"match"` only when a draft equals the
     target's own sample (also the rule for a custom `sampler`).
@@ -184,13 +187,17 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if draft is None and block_size not in (None, 1):
+        raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
     if adaptive is None:
         adaptive = block_size is None and temperature == 0 and sampler is None
-    block_size = draft.config.block_size if block_size is None else block_size
+    if block_size is None:
+        block_size = draft.config.block_size if draft else 1
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     target = TargetAdapter(model)
-    check_compatible(target, draft)
+    if draft is not None:
+        check_compatible(target, draft)
     prompt_ids = encode_prompt(tokenizer, prompt)
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
@@ -206,7 +213,9 @@ def stream_generate(
         temperature, top_p, top_k, min_p, sampler, acceptance, logits_processors
     )
     if prompt_cache is None:
-        prompt_cache = PromptCache(target.make_cache(), draft.make_cache())
+        prompt_cache = make_prompt_cache(model, draft)
+    elif (draft is None) != (not prompt_cache.draft):
+        raise ValueError("the prompt cache was made for a different drafter (or for none)")
     policy = AdaptiveBlock(block_size) if adaptive and block_size > 1 else None
     return _speculate(
         target, draft, prompt_cache, tokenizer, prompt_ids, block_size, policy, max_tokens, verifier
@@ -215,7 +224,7 @@ def stream_generate(
 
 def _speculate(
     target: TargetAdapter,
-    draft: DFlashDraft,
+    draft: DFlashDraft | None,
     prompt_cache: PromptCache,
     tokenizer: TokenizerWrapper,
     prompt: list[int],
@@ -224,18 +233,22 @@ def _speculate(
     max_tokens: int,
     verifier: Verifier,
 ) -> Iterator[GenerationResponse]:
-    model, cfg = target.model, draft.config
+    model, cfg = target.model, draft.config if draft else None
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
     reused = prompt_cache.reuse(prompt)
     eos = set(tokenizer.eos_token_ids)
-    draft_head = target.draft_head(cfg.draft_vocab)
+    draft_head = target.draft_head(cfg.draft_vocab) if cfg else None
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    capture = target.capture(cfg.target_layer_ids, cache) if cfg else nullcontext({})
 
-    with target.capture(cfg.target_layer_ids) as captured, wired_limit(model):
+    with capture as captured, wired_limit(model):
 
-        def features() -> mx.array:
-            return mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
+        def append_context(positions: int | None) -> None:
+            """Feed the drafter the captured features of the last forward's first `positions`."""
+            if draft is not None:
+                features = mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
+                draft.append_context(features[:, :positions], draft_cache)
 
         def launch(last: int, n: int) -> tuple[mx.array, Verdict]:
             """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
@@ -257,7 +270,7 @@ def _speculate(
         tic = time.perf_counter()
         for start in range(reused, len(prompt), PREFILL_STEP):
             logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
-            draft.append_context(features(), draft_cache)
+            append_context(None)
             mx.eval([c.state for c in cache + draft_cache])
         first = verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
         committed, committed_logits = first.choices.tolist(), first.logits
@@ -306,7 +319,7 @@ def _speculate(
                 policy.record(n, accepted + 1, time.perf_counter() - synced)
             synced = time.perf_counter()
             target.rollback(cache, n - accepted - 1)
-            draft.append_context(features()[:, : accepted + 1], draft_cache)
+            append_context(accepted + 1)
             prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
             committed = draft_ids[:accepted] + [verdict.token_after(accepted)]
             committed_logits = verdict.logits[: accepted + 1]
@@ -314,7 +327,7 @@ def _speculate(
 
 def generate(
     model: nn.Module,
-    draft: DFlashDraft,
+    draft: DFlashDraft | None,
     tokenizer: TokenizerWrapper,
     prompt: str | list[int] | mx.array,
     verbose: bool = False,

@@ -9,10 +9,13 @@ it. FastAPI gives validated requests (pydantic) and streaming on a maintained
 ASGI stack, and leaves us only the OpenAI response shapes to write.
 
 One worker thread owns the model and runs one generation at a time; requests
-wait their turn in arrival order. The worker shares one prompt cache across
-requests (a follow-up turn of a chat prefills only its new part). A streaming
-client that disconnects sets its job's stop flag, which the worker checks
-after every verify cycle before moving on to the next request.
+wait their turn in arrival order, at most `--max-queue` of them (more get 503
+with Retry-After). The worker shares one prompt cache across requests (a
+follow-up turn of a chat prefills only its new part). A client that
+disconnects, streaming or not, sets its job's stop flag, which the worker
+checks after every verify cycle before moving on to the next request. Chat
+templates are rendered and prompts tokenized on a thread of their own, so a
+long prompt does not stall the event loop (and every open stream with it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -224,6 +227,14 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
         return error(400, f"{where or 'body'}: {message}", where or None)
 
 
+DEFAULT_MAX_QUEUE = 16
+RETRY_AFTER_S = 5
+
+
+class QueueFull(Exception):
+    """More requests are waiting for the worker than the server takes."""
+
+
 class Worker:
     """Runs generations one at a time on a single thread; the model and cache live there."""
 
@@ -233,22 +244,37 @@ class Worker:
         tokenizer,
         draft,
         defaults: dict[str, Any],
-        template_kwargs: dict[str, Any],
-        processor_settings: dict[str, Any],
+        template_kwargs: dict[str, Any] | None = None,
+        processor_settings: dict[str, Any] | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         """`defaults`: `stream_generate` kwargs from the flags, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
-        self.template_kwargs, self.processor_settings = template_kwargs, processor_settings
+        self.template_kwargs = template_kwargs or {}
+        self.processor_settings = processor_settings or {}
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
         self.cache = make_prompt_cache(model, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
+        self.max_queue = max_queue
+        self.pending = 0  # generations queued or running
+        self._pending_lock = threading.Lock()
+
+    async def prepare(self, render: Callable[[], str | list[int]]) -> list[int]:
+        """Token ids of the prompt `render` gives (e.g. a chat template), off the event loop."""
+
+        def ids() -> list[int]:
+            return encode_prompt(self.tokenizer, render())
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, ids)
 
     def _run(self, job: Job, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
+            log.info("generating: %d prompt tokens", len(job.prompt))
             if job.seed is not None:
                 mx.random.seed(job.seed)
             responses = stream_generate(
@@ -274,13 +300,19 @@ class Worker:
         except Exception as exc:
             put(exc)
         finally:
+            with self._pending_lock:
+                self.pending -= 1
             put(None)
 
     def submit(
         self, job: Job, stop: threading.Event
     ) -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
         """Queue a generation; iterate the result for its responses (with their logprobs
-        entries when asked for)."""
+        entries when asked for). QueueFull if no room."""
+        with self._pending_lock:
+            if self.pending > self.max_queue:  # one runs, max_queue wait
+                raise QueueFull
+            self.pending += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -359,23 +391,25 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         messages = [m.for_template() for m in body.messages]
         template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
         try:
-            prompt = chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs)
+            ids = await worker.prepare(
+                lambda: chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs)
+            )
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             return error(400, f"messages: the chat template failed: {exc}", "messages")
-        return await complete(body, prompt, "chat.completion")
+        return await complete(request, body, ids, "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, TextRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await complete(body, body.prompt, "text_completion")
-
-    async def complete(body: CompletionParams, prompt, kind: str):
         try:
-            ids = encode_prompt(worker.tokenizer, prompt)
+            ids = await worker.prepare(lambda: body.prompt)
         except ValueError as exc:
             return error(400, str(exc), "prompt")
+        return await complete(request, body, ids, "text_completion")
+
+    async def complete(request: Request, body: CompletionParams, ids: list[int], kind: str):
         if any(not 0 <= t < worker.vocab_size for t in ids):
             return error(400, "prompt: token ids must be in the vocabulary", "prompt")
         room = worker.max_context - len(ids) if worker.max_context else None
@@ -400,7 +434,14 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             kwargs["logits_processors"] = make_logits_processors(**settings)
         stop = threading.Event()
         job = Job(ids, kwargs, body.seed, body.stops, body.alternatives)
-        responses = worker.submit(job, stop)
+        try:
+            responses = worker.submit(job, stop)
+        except QueueFull:
+            response = error(
+                503, f"the server is busy ({worker.max_queue} requests waiting); retry later"
+            )
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         tools = getattr(body, "tools", None)
         with_logprobs = job.top_logprobs is not None
         reply = Reply(kind, model_id, body.stream, worker.tokenizer, ids, tools, with_logprobs)
@@ -411,11 +452,14 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
                 media_type="text/event-stream",
                 background=BackgroundTask(stop.set),
             )
+        watcher = asyncio.create_task(stop_on_disconnect(request, stop))
         try:
             async for response, logprobs in responses:
                 reply.add(response, logprobs)
         except Exception as exc:
             return error(500, f"generation failed: {exc}")
+        finally:
+            watcher.cancel()
         return reply.whole()
 
     return app
@@ -430,6 +474,16 @@ def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     ):
         state = "reasoning"
     return tokenizer.response_initial_state or state
+
+
+async def stop_on_disconnect(request: Request, stop: threading.Event) -> None:
+    """Set `stop` when the client of a non-streaming request goes away.
+
+    The body has been read, so the next ASGI message is the disconnect.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stop.set()
 
 
 class Reply:
@@ -599,11 +653,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait for the model; more get 503 with Retry-After",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
     model, tokenizer, draft = load_models(args)
     worker = Worker(
         model,
@@ -612,6 +674,7 @@ def run(args: argparse.Namespace) -> None:
         generation_kwargs(args),
         args.chat_template_args,
         processor_settings(args),
+        args.max_queue,
     )
     app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")

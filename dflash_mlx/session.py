@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .checkpoint import init_draft, load_draft
+from .checkpoint import load_draft
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
@@ -73,11 +73,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         )
 
 
-def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
-    """Target, tokenizer and drafter from the flags; `--no-draft` gets a never-called stand-in.
+def load_models(
+    args: argparse.Namespace,
+) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft | None]:
+    """Target, tokenizer and drafter from the flags; `--no-draft` gets no drafter (None).
 
-    With block size 1 the loop never runs the drafter, but its API still takes
-    one, so a 1-layer random drafter shaped for the target fills the slot.
+    `--seed` seeds after loading, so the seed alone decides the samples.
     """
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
@@ -85,14 +86,14 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
         raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
-    if args.seed is not None:
-        mx.random.seed(args.seed)
     model, tokenizer = load(args.model)
     draft = (
-        init_draft(model, num_layers=1)
+        None
         if args.no_draft
         else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
+    if args.seed is not None:
+        mx.random.seed(args.seed)
     return model, tokenizer, draft
 
 

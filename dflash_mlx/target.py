@@ -10,7 +10,9 @@ Families share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
 Hooks work per instance: each tapped or recurrent layer object gets a subclass
 of its own class whose `__call__` records the output and checkpoints the
 recurrent cache, and gets its class back when the capture ends. No mlx-lm class
-is modified, so other models and other threads see mlx-lm unchanged.
+is modified, so other models see mlx-lm unchanged. A model is captured by one
+generation at a time (a second is refused); forwards through caches other than
+the capture's (mlx-lm's own decoding of the same model) are not recorded.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from threading import Lock
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    RotatingKVCache,
+    _BaseCache,
+    make_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -63,8 +72,10 @@ def load(
         model, tokenizer = mlx_lm_load(str(path), model_config=model_config, **kwargs)
     except (FileNotFoundError, ValueError):
         raise
-    except Exception as exc:
-        raise ValueError(f"mlx-lm could not load the target at {path}: {exc}") from None
+    except Exception as exc:  # the cause stays chained for callers and tracebacks
+        raise ValueError(
+            f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
+        ) from exc
     cast_model(model, dtype if dtype is not None else default_dtype())
     mx.eval(model.parameters())
     return model, tokenizer
@@ -119,6 +130,7 @@ def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 _HOOKED_CLASSES: dict[type, type] = {}
+_HOOKING = Lock()  # makes "is a layer hooked? then hook it" one step across threads
 
 
 def _hooked_class(cls: type) -> type:
@@ -126,11 +138,15 @@ def _hooked_class(cls: type) -> type:
     if cls not in _HOOKED_CLASSES:
 
         def __call__(self, *args, **kwargs):
-            for c in (*args, *kwargs.values()):
+            passed = (*args, *kwargs.values())
+            for c in passed:
                 if isinstance(c, RecurrentCache):
                     c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
             out = cls.__call__(self, *args, **kwargs)
-            if self._dflash_sink is not None:
+            foreign = self._dflash_caches is not None and any(
+                isinstance(c, _BaseCache) and id(c) not in self._dflash_caches for c in passed
+            )
+            if self._dflash_sink is not None and not foreign:
                 self._dflash_sink[self._dflash_index] = out[0] if isinstance(out, tuple) else out
             return out
 
@@ -253,31 +269,42 @@ class TargetAdapter:
             c.trim(num_tokens)
 
     @contextmanager
-    def capture(self, layer_ids: list[int]) -> Iterator[dict[int, mx.array]]:
+    def capture(
+        self, layer_ids: list[int], cache: list[Any] | None = None
+    ) -> Iterator[dict[int, mx.array]]:
         """Record the outputs of `layer_ids` on every forward while the context is open.
 
         Layers with a recurrent cache are hooked too: each forward checkpoints
-        their cache so that `rollback` can re-run the committed prefix.
+        their cache so that `rollback` can re-run the committed prefix. With
+        `cache`, a forward through other caches is not recorded. A second
+        capture of the same model while one is open raises RuntimeError.
         """
         sink: dict[int, mx.array] = {}
         tapped = set(layer_ids)
         recurrent = {
             i for i, c in enumerate(make_prompt_cache(self.model)) if isinstance(c, ArraysCache)
         }
+        caches = None if cache is None else {id(c) for c in cache}
         hooked = []
-        try:
+        with _HOOKING:
+            if any(type(layer) in _HOOKED_CLASSES.values() for layer in self.layers):
+                raise RuntimeError(
+                    "this model is already being generated with (in another thread or another "
+                    "open generator); run one generation per model at a time"
+                )
             for i in sorted(tapped | recurrent):
                 layer = self.layers[i]
-                if type(layer) in _HOOKED_CLASSES.values():
-                    raise RuntimeError(f"layer {i} is already being captured by another generation")
                 original = type(layer)
                 object.__setattr__(layer, "_dflash_sink", sink if i in tapped else None)
                 object.__setattr__(layer, "_dflash_index", i)
+                object.__setattr__(layer, "_dflash_caches", caches)
                 layer.__class__ = _hooked_class(original)
                 hooked.append((layer, original))
+        try:
             yield sink
         finally:
-            for layer, original in hooked:
-                layer.__class__ = original
-                object.__delattr__(layer, "_dflash_sink")
-                object.__delattr__(layer, "_dflash_index")
+            with _HOOKING:
+                for layer, original in hooked:
+                    layer.__class__ = original
+                    for name in ("_dflash_sink", "_dflash_index", "_dflash_caches"):
+                        object.__delattr__(layer, name)

@@ -1,9 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-import dflash_mlx  # noqa: F401  (binds the system BLAS before anything imports mlx)
+# No test may reach the real hub: where packets are dropped a look-up hangs to its timeout.
+# Set before anything imports huggingface_hub (it reads the variable once); subprocesses inherit it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import dflash_mlx  # noqa: E402  (binds the system BLAS before anything imports mlx)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

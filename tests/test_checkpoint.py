@@ -1,8 +1,10 @@
 """Drafter checkpoints: both layouts, conversion, and clear errors for bad input."""
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -108,6 +110,12 @@ def test_quantized_drafts_mostly_agree(published, workdir, bits, min_agreement):
     _, draft_dir, model, draft, contexts, blocks = published
     out = convert_draft(draft_dir, workdir / f"conv-q{bits}", q_bits=bits, q_group_size=32)
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+    stored = mx.load(str(out / "model.safetensors"))
+    for name, w in tree_flatten(draft.parameters()):
+        if name.endswith("proj.weight"):  # every attention and MLP matrix, packed
+            packed = stored[name]
+            assert packed.dtype == mx.uint32 and packed.shape[-1] * 32 // bits == w.shape[-1]
+            assert f"{name.removesuffix('weight')}scales" in stored
     converted = load_draft(out)
     reference = drafts_for(draft, model, contexts, blocks)
     agreement = (reference == drafts_for(converted, model, contexts, blocks)).mean()
@@ -121,6 +129,12 @@ def test_quantized_drafter_is_dequantized_on_cpu(published, workdir):
     model = load_draft(out)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     assert {p.dtype for _, p in tree_flatten(model.parameters())} == {mx.float32}
+    # The values are the 4-bit ones: near the originals, not equal to them.
+    original = dict(tree_flatten(published[3].parameters()))
+    for name, w in tree_flatten(model.parameters()):
+        if name.endswith("proj.weight"):
+            error = mx.abs(w - original[name]).max().item()
+            assert 0 < error < 0.2 * mx.abs(original[name]).max().item(), name
 
 
 def test_convert_cli_in_subprocess(published, workdir):
@@ -149,6 +163,58 @@ def test_missing_directory_and_offline_hub(workdir):
         load_draft(workdir / "does-not-exist")
     with pytest.raises(FileNotFoundError, match="offline"):
         load_draft("z-lab/definitely-not-a-real-drafter-xyz")
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """A hub endpoint answering every request with the server's `answer` (status, headers, body)."""
+
+    def do_GET(self):
+        status, headers, body = self.server.answer
+        self.send_response(status)
+        for name, value in {**headers, "Content-Type": "application/json"}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(
+    "status, headers, body, error, message",
+    [
+        (404, {"X-Error-Code": "RepoNotFound"}, {}, FileNotFoundError, "not found.*HTTP 404"),
+        (401, {"X-Error-Code": "RepoNotFound"}, {}, FileNotFoundError, "HTTP 401.*private"),
+        (403, {"X-Error-Code": "GatedRepo"}, {}, PermissionError, "is a gated repository"),
+        (
+            401,
+            {},
+            {"error": "Invalid credentials in Authorization header"},
+            PermissionError,
+            "refused access to drafter 'org/model' \\(HTTP 401.*check your token",
+        ),
+    ],
+)
+def test_hub_errors_are_reported_as_what_they_are(
+    monkeypatch, tmp_path, status, headers, body, error, message
+):
+    from huggingface_hub import constants
+
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    hub.answer = (status, headers, body)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{hub.server_address[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_unused")
+    try:
+        with pytest.raises(error, match=message) as e:
+            load_draft("org/model")
+    finally:
+        hub.shutdown()
+    assert "offline" not in str(e.value) and e.value.__cause__ is not None
 
 
 def test_missing_config_and_weights(workdir, published):

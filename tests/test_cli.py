@@ -1,5 +1,6 @@
 """`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty."""
 
+import argparse
 import json
 import re
 import shlex
@@ -9,6 +10,7 @@ import sys
 import pexpect
 import pytest
 from helpers import mlx_lm_greedy
+from test_generate import oracle_for
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
@@ -95,12 +97,29 @@ def test_chat_template_config_reaches_every_turn(loaded, capsys):
     assert chat.cache.tokens[: len(tokenizer.encode(text))] == tokenizer.encode(text)
 
 
+def test_no_draft_sampling_follows_the_seed(make_pair):
+    target, _ = make_pair("llama-tied-gqa")
+    run = "generate --model {} --no-draft --no-chat-template -p 'Alice' -m 24 --temp 2 --seed {}"
+    outs = [dflash(run.format(target, seed)) for seed in (1, 1, 2)]
+    assert all(out.returncode == 0 for out in outs), outs[-1].stderr
+    assert outs[0].stdout == outs[1].stdout != outs[2].stdout
+
+
+def test_no_draft_loads_no_drafter(make_pair):
+    from dflash_mlx.session import add_model_arguments, load_models
+
+    target, _ = make_pair("llama-tied-gqa")
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert load_models(parser.parse_args(["--model", str(target), "--no-draft"]))[2] is None
+
+
 def test_unreachable_hub_model_is_a_clear_error(make_pair):
     _, draft = make_pair("llama-tied-gqa")
     out = dflash(f"generate --model no-such-org/no-such-model --draft {draft} -p x")
     assert out.returncode == 1
-    assert "could not fetch target model 'no-such-org/no-such-model'" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert "target model 'no-such-org/no-such-model' is not in the local hub cache" in out.stderr
+    assert "If this machine is offline" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
@@ -190,6 +209,14 @@ def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
         chat.ask(text)
     new = [int(n) for n in re.findall(r"\((\d+) new\)", capsys.readouterr().out)]
     return chat.messages, new
+
+
+def test_chat_reports_the_known_tau_of_an_oracle_drafter(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    ids = tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}]))
+    oracle, tau = oracle_for(model, tokenizer, draft, ids, 21, 4)
+    Chat(model, tokenizer, oracle, {"max_tokens": 21, "block_size": 4}, None, True).ask("Alice has")
+    assert f"τ {tau:.2f}, 100% accepted" in capsys.readouterr().out
 
 
 def test_chat_prompt_cache_is_lossless_and_prefills_less(loaded, capsys):

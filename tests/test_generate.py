@@ -56,6 +56,29 @@ class OracleDraft(DFlashDraft):
         return 100.0 * mx.eye(self.config.vocab_size)[truth]
 
 
+def oracle_for(model, tokenizer, draft, prompt: list[int], max_tokens: int, block_size: int):
+    """(an OracleDraft for `prompt`, the τ every report must show for its reply).
+
+    Every draft is accepted, so each cycle commits `block_size` tokens but the last;
+    the first token comes from the prefill and counts in no cycle.
+    """
+    continuation = reference_greedy(model, prompt, max_tokens + block_size, set())
+    reply = reference_greedy(model, prompt, max_tokens, set(tokenizer.eos_token_ids))
+    cycles = -(-(len(reply) - 1) // block_size)
+    return OracleDraft(draft, prompt + continuation), (len(reply) - 1) / cycles
+
+
+def test_generate_prints_the_known_tau_of_an_oracle_drafter(loaded, capsys):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = prompt_of(9, seed=5)
+    oracle, tau = oracle_for(model, tokenizer, draft, prompt, 30, 4)
+    dflash_mlx.generate(model, oracle, tokenizer, prompt, verbose=True, block_size=4, max_tokens=30)
+    assert f"Acceptance: {tau:.2f} tokens per cycle, 100.0% of draft tokens accepted" in (
+        capsys.readouterr().out
+    )
+    assert tau > 3
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_oracle_drafter_is_fully_accepted(loaded, block_size):
     model, tokenizer, draft = loaded("llama-untied-mha")
@@ -167,6 +190,23 @@ def test_capture_hooks_are_removed_after_generation(loaded):
     assert all("_dflash_sink" not in vars(layer) for layer in model.layers)
 
 
+def test_no_drafter_decodes_greedily_without_hooking_a_layer(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    classes = [type(layer) for layer in model.layers]
+    prompt = prompt_of(17, seed=4)
+    expected = reference_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))
+    cache = dflash_mlx.make_prompt_cache(model, None)
+    gen = stream_generate(model, None, tokenizer, prompt, max_tokens=30, prompt_cache=cache)
+    tokens = list(next(gen).tokens)
+    assert [type(layer) for layer in model.layers] == classes  # nothing hooked
+    tokens += [t for r in gen for t in r.tokens]
+    assert tokens == expected and cache.draft == []
+    with pytest.raises(ValueError, match="needs a drafter"):
+        stream_generate(model, None, tokenizer, prompt, block_size=4)
+    with pytest.raises(ValueError, match="different drafter"):
+        stream_generate(model, draft, tokenizer, prompt, prompt_cache=cache)
+
+
 def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
     from dflash_mlx.checkpoint import init_draft
 
@@ -179,19 +219,26 @@ def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
     assert run(model, draft, tokenizer, prompt, max_tokens=40)[0] == expected
 
 
+class RecordingPromptCache(dflash_mlx.PromptCache):
+    """Remembers how many positions each generation found already in the cache."""
+
+    def reuse(self, prompt: list[int]) -> int:
+        self.reused = super().reuse(prompt)
+        return self.reused
+
+
 def test_prompt_cache_prefills_only_the_new_turn_and_stays_lossless(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    cache = dflash_mlx.make_prompt_cache(model, draft)
+    fresh = dflash_mlx.make_prompt_cache(model, draft)
+    cache = RecordingPromptCache(fresh.target, fresh.draft)
     first = prompt_of(40, seed=11)
     reply, responses = run(model, draft, tokenizer, first, max_tokens=20, prompt_cache=cache)
-    assert responses[0].prompt_tokens == 40
+    assert responses[0].prompt_tokens == 40 and cache.reused == 0
     second = first + reply + prompt_of(7, seed=12)
     expected = reference_greedy(model, second, 30, set(tokenizer.eos_token_ids))
-    gen = stream_generate(model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache)
-    reused = len(cache.tokens)
-    tokens = [t for r in gen for t in r.tokens]
+    tokens, _ = run(model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache)
     assert tokens == expected
-    assert reused == len(first) + len(reply) - 1  # the last reply token was never fed
+    assert cache.reused == len(first) + len(reply) - 1  # the last reply token was never fed
 
 
 def test_prompt_cache_survives_an_interrupted_reply(loaded):
@@ -205,6 +252,14 @@ def test_prompt_cache_survives_an_interrupted_reply(loaded):
     expected = reference_greedy(model, edited, 25, set(tokenizer.eos_token_ids))
     assert run(model, draft, tokenizer, edited, max_tokens=25, prompt_cache=cache)[0] == expected
     assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
+
+
+@pytest.mark.parametrize("prompt_len", [2048, 2049, 3000])
+def test_prompts_longer_than_a_prefill_chunk_equal_mlx_lm(loaded, prompt_len):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    prompt = prompt_of(prompt_len, seed=prompt_len)
+    expected = reference_greedy(model, prompt, 16, set(tokenizer.eos_token_ids))
+    assert run(model, draft, tokenizer, prompt, max_tokens=16)[0] == expected
 
 
 def test_generation_stops_where_the_context_is_full(loaded):

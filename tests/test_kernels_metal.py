@@ -1,6 +1,10 @@
 """The Metal block-attention kernel, run on the CPU by the MSL emulator in tests/msl_emu."""
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import msl_emu
@@ -12,10 +16,28 @@ from dflash_mlx import kernels
 from dflash_mlx.kernels import metal
 from dflash_mlx.kernels.reference import reference_attention
 
+NO_COMPILER = "no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)"
+COMPILER_MISSING = msl_emu.find_compiler() is None
+# Skipped on a developer's machine without clang; under CI=true they run, and fail.
 pytestmark = pytest.mark.skipif(
-    msl_emu.find_compiler() is None,
-    reason="no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)",
+    COMPILER_MISSING and os.environ.get("CI") != "true", reason=NO_COMPILER
 )
+
+
+def test_the_emulator_has_a_compiler():
+    assert not COMPILER_MISSING, NO_COMPILER
+
+
+@pytest.mark.skipif(COMPILER_MISSING, reason=NO_COMPILER)  # CI: the test above fails instead
+def test_ci_fails_instead_of_skipping_without_a_compiler(tmp_path):
+    (tmp_path / "python").symlink_to(sys.executable)  # a PATH with python and no clang
+    env = {**os.environ, "CI": "true", "PATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "has_a_compiler or test_barrier_and_threadgroup_memory"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent)
+    assert out.returncode == 1, out.stdout
+    assert "2 failed" in out.stdout and "skipped" not in out.stdout, out.stdout
+
 
 DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
@@ -234,6 +256,27 @@ def test_kernel_matches_reference(s, gqa, head_dim, block_len, dtype):
 def test_kernel_block_sizes(block_len):
     got, want = run_kernel(33, 2, 64, block_len, mx.float32, batch=2, seed=block_len)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+@pytest.mark.parametrize("dropped", range(metal.load_sources()[1].count(BARRIER)))
+def test_the_emulator_catches_a_dropped_barrier(monkeypatch, dropped):
+    header, body = metal.load_sources()
+    parts = body.split(BARRIER)
+    mutated = "".join(p + (BARRIER if i not in (dropped, len(parts) - 1) else "")
+                      for i, p in enumerate(parts))  # fmt: skip
+    assert mutated.count(BARRIER) == body.count(BARRIER) - 1
+    monkeypatch.setattr(metal, "load_sources", lambda: (header, mutated))
+    for case in [(17, 8, 64, 7), (1000, 4, 64, 16), (1, 1, 128, 16)]:
+        try:
+            got, want = run_kernel(*case, mx.float32)
+        except msl_emu.EmulatorError:
+            return
+        if not np.allclose(got, want, atol=TOLERANCE[mx.float32], rtol=0):
+            return
+    pytest.fail(f"dropping barrier {dropped} went unnoticed")
 
 
 def test_kernel_large_logits():

@@ -116,18 +116,24 @@ def test_generation_is_exact_in_distribution(loaded, setting):
     expected = exact_second_token(model, prompt, make_logprobs_transform(**setting))
     mx.random.seed(3)
     drafter = NoisyOracleDraft(draft, model, prompt)
-    second, accepted = [], []
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 2, **setting)
+    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
+    assert chi2_pvalue(np.array([t[1] for t in tokens]), expected) > SIGNIFICANCE
+
+
+def sample_runs(model, drafter, tokenizer, prompt, block_size: int, **setting):
+    """The tokens of 1000 generations of one full cycle after the prefill, and how many
+    drafts each one's cycle accepted."""
+    tokens, accepted = [], []
     for _ in range(1000):
         responses = list(
             stream_generate(
-                model, drafter, tokenizer, prompt, block_size=2, max_tokens=3, **setting
+                model, drafter, tokenizer, prompt, block_size, max_tokens=block_size + 1, **setting
             )
         )
-        tokens = [t for r in responses for t in r.tokens]
-        second.append(tokens[1])
+        tokens.append([t for r in responses for t in r.tokens])
         accepted.append(responses[1].accepted)
-    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
-    assert chi2_pvalue(np.array(second), expected) > SIGNIFICANCE
+    return tokens, accepted
 
 
 def test_speculative_rule_accepts_more_than_matching():
@@ -191,3 +197,69 @@ def test_speculative_sampling_with_a_processor_emits_the_processed_distribution(
     for a in groups:
         expected = processed(p[1], context + [a])
         assert chi2_pvalue(np.array(after[a]), expected) > SIGNIFICANCE / vocab
+
+
+def exact_marginals(model, prompt: list[int], transform, depth: int) -> list[np.ndarray]:
+    """P(x_k) for k = 1..depth, summing over every sampled path (support kept small by top-k)."""
+    paths, weights, marginals = [prompt], np.ones(1), []
+    for _ in range(depth):
+        p = np.array(mx.exp(transform(model(mx.array(paths))[:, -1])), dtype=np.float64)
+        marginals.append(weights @ p)
+        rows, tokens = np.nonzero(p)
+        paths = [paths[r] + [int(t)] for r, t in zip(rows, tokens)]
+        weights = weights[rows] * p[rows, tokens]
+    return marginals
+
+
+class NoisyBlockOracleDraft(DFlashDraft):
+    """First cycle after `prompt`: row j is the target's next-token logits along its greedy
+    path plus fixed noise, so drafts are often but not always accepted at every depth.
+    Later cycles draft from uniform logits (speculative sampling is exact for any q)."""
+
+    def __init__(self, draft: DFlashDraft, model, prompt: list[int], seed: int):
+        super().__init__(draft.config)
+        self.update(draft.parameters())
+        object.__setattr__(self, "target", model)
+        object.__setattr__(self, "prompt", prompt)
+        noise = mx.random.normal((16, draft.config.vocab_size), key=mx.random.key(seed))
+        object.__setattr__(self, "noise", noise)
+        object.__setattr__(self, "rows", {})  # per first token: the same rows every run
+
+    def draft_logits(self, block, embed, lm_head, cache):
+        n = block.shape[0] - 1
+        if cache[0].offset != len(self.prompt):
+            return mx.zeros((n, self.config.vocab_size))
+        path = self.prompt + block[:1].tolist()
+        if (path[-1], n) not in self.rows:
+            for _ in range(n - 1):
+                path.append(int(mx.argmax(self.target(mx.array([path]))[0, -1])))
+            rows = self.target(mx.array([path]))[0, -n:] + self.noise[:n]
+            self.rows[path[len(self.prompt)], n] = mx.eval(rows) or rows
+        return self.rows[block[:1].item(), n]
+
+
+BLOCK4 = {
+    "speculative": dict(temperature=0.8, top_k=5, min_p=0.05),
+    "match": dict(temperature=1.0, top_k=4, acceptance="match"),
+    "custom-sampler": dict(sampler=make_sampler(1.0, top_k=4)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BLOCK4)
+def test_block_of_four_is_exact_in_distribution(loaded, name):
+    """Tokens 3 and 4 come from accepted drafts, resamples or bonus tokens: each marginal
+    must be the target's own, whatever the acceptance rule or sampler."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    setting = BLOCK4[name]
+    prompt = [0, 39, 259, 28]
+    law = dict(temperature=1.0, top_k=4) if "sampler" in setting else setting
+    transform = make_logprobs_transform(**{k: v for k, v in law.items() if k != "acceptance"})
+    expected = exact_marginals(model, prompt, transform, 4)
+    drafter = NoisyBlockOracleDraft(draft, model, prompt, seed=1)
+    mx.random.seed(4)
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 4, **setting)
+    counts = np.bincount(accepted, minlength=4)
+    assert counts[0] > 0 and counts[1:].sum() > 0  # both accepted drafts and resamples ran
+    for k in (2, 3):
+        assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE

@@ -5,15 +5,21 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import helpers
 import openai
 import pytest
+import uvicorn
+from mlx_lm.utils import load_tokenizer
 from test_cli import decode_greedy, greedy_text
+from test_generate import oracle_for
 from test_stops import stop_in
 
+from dflash_mlx.server import Worker, create_app
 from dflash_mlx.session import chat_prompt
 
 PROMPTS = [
@@ -387,3 +393,126 @@ def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
         [v[t].item() for t, v in zip(tokens, vectors, strict=True)], abs=1e-3
     )
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    """Poll `condition` until true; generous: the machine may be loaded."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@contextmanager
+def serving(worker):
+    """`create_app(worker)` served by uvicorn on 127.0.0.1 in this process; yields the port."""
+    config = uvicorn.Config(
+        create_app(worker, "m"), host="127.0.0.1", port=free_port(), log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+        assert server.started
+        yield config.port
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def in_background(fn, *args):
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
+def test_chat_template_is_rendered_off_the_event_loop(make_pair, loaded):
+    model, _, draft = loaded("llama-tied-gqa")
+    tokenizer = load_tokenizer(make_pair("llama-tied-gqa")[0])
+    rendering, release = threading.Event(), threading.Event()
+    render = tokenizer.apply_chat_template
+
+    def slow_template(*args, **kwargs):
+        rendering.set()
+        release.wait()
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = slow_template
+    worker = Worker(model, tokenizer, draft, {"max_tokens": 8})
+    with serving(worker) as port:
+        body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}]}).encode()
+        reply = in_background(post, port, "/v1/chat/completions", body)
+        try:
+            assert rendering.wait(120)
+            assert get(port, "/health") == (200, {"status": "ok"})  # the loop is free
+        finally:
+            release.set()
+        status, answer = reply.result(timeout=120)
+    assert status == 200
+    assert answer["choices"][0]["message"]["content"] == greedy_text(loaded, PROMPTS[0], 8)[0]
+
+
+def test_full_wait_queue_answers_503_with_retry_after(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, {"max_tokens": 6}, max_queue=1)
+    with serving(worker) as port:
+        busy = threading.Event()
+        worker.executor.submit(busy.wait)  # the model is busy until we say
+        body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 6}).encode()
+        try:
+            queued = [in_background(post, port, "/v1/completions", body) for _ in range(2)]
+            wait_for(lambda: worker.pending == 2, "two requests to queue")
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            refused = conn.getresponse()
+            assert refused.status == 503 and int(refused.getheader("Retry-After")) > 0
+            assert "busy" in json.loads(refused.read())["error"]["message"]
+            conn.close()
+        finally:
+            busy.set()
+        texts = {f.result(timeout=120)[1]["choices"][0]["text"] for f in queued}
+        assert texts == {greedy_text(loaded, PROMPTS[1], 6, chat=False)[0]}
+        wait_for(lambda: worker.pending == 0, "the queue to drain")
+        assert post(port, "/v1/completions", body)[0] == 200
+
+
+def test_max_queue_flag_is_checked():
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "serve", "--model", "x", "--no-draft"]
+        + ["--max-queue", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode != 0 and "--max-queue must be at least 0" in out.stderr
+
+
+def test_non_streaming_client_disconnect_stops_its_generation(server):
+    port, log = server
+    starts = log.read_text().count("generating:")
+    stops = log.read_text().count("client gone: stopped after")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"prompt": PROMPTS[0], "max_tokens": 3500}  # greedy: 2,524 tokens
+    conn.request("POST", "/v1/completions", json.dumps(body))
+    wait_for(lambda: log.read_text().count("generating:") > starts, "the generation to start")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    gone = "client gone: stopped after"
+    wait_for(lambda: log.read_text().count(gone) > stops, "the generation to stop", timeout=300)
+    stopped_after = int(log.read_text().split(gone)[-1].split()[0])
+    assert stopped_after < 2524
+
+
+def test_server_reports_the_known_tau_of_an_oracle_drafter(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = [5, 17, 33, 80, 120]
+    oracle, tau = oracle_for(model, tokenizer, draft, prompt, 25, 4)
+    worker = Worker(model, tokenizer, oracle, {"max_tokens": 25, "block_size": 4})
+    with serving(worker) as port:
+        status, reply = post(port, "/v1/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 200
+    assert reply["dflash"]["tau"] == pytest.approx(tau) and tau > 3
+    assert reply["dflash"]["acceptance_rate"] == 1.0

@@ -182,6 +182,23 @@ def test_prompts_are_disjoint_from_the_bench_suite():
     assert not any(_shingles(p["prompt"]) & held_out for p in prompts)
 
 
+def test_replies_file_drops_only_a_torn_last_line_and_resumes_cleanly(loaded, tmp_path):
+    model, tokenizer, _ = loaded("llama-tied-gqa")
+    prompts = build_prompts(40, seed=1)[:3]
+    path = tmp_path / "replies.jsonl"
+    extend_dataset(model, tokenizer, prompts[:1], path, 4, batch_size=2)
+    whole = path.read_text()
+    path.write_text(whole + whole[: len(whole) // 2])  # the second record cut mid-write
+    assert [r["id"] for r in read_records(path)] == [prompts[0]["id"]]
+    extend_dataset(model, tokenizer, prompts, path, 4, batch_size=2)
+    assert sorted(r["id"] for r in read_records(path)) == sorted(p["id"] for p in prompts)
+
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:-3], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=r"replies.jsonl:2 is not a JSON record"):
+        read_records(path)
+
+
 def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     """Self-distil a tiny target, cache features, train: real decoding on held-out prompts
     accepts more. The target's weights are scaled down from the test helper's (which makes
@@ -261,6 +278,10 @@ def test_exports_load_and_agree(tiny, tmp_path):
     export_converted(draft, tmp_path / "ours", "# card\n", dtype="float32")
     export_published(draft, tmp_path / "published", dtype="float32")
     feats = features_of(model, np.arange(20))[None]
+    # A block as drafting sees it: real token embeddings (zeros would leave q/k projections,
+    # norms and RoPE unexercised), the last committed token followed by mask tokens.
+    block = mx.array([[20] + [draft.config.mask_token_id] * 7])
+    embedded = TargetAdapter(model).embed_tokens(block)
     outs = []
     for d in (
         draft,
@@ -269,8 +290,9 @@ def test_exports_load_and_agree(tiny, tmp_path):
     ):
         cache = d.make_cache()
         d.append_context(feats, cache)
-        outs.append(d(mx.zeros((1, 8, 64)), cache))
+        outs.append(d(embedded, cache))
     assert mx.allclose(outs[0], outs[1]).item() and mx.allclose(outs[0], outs[2]).item()
+    assert mx.abs(outs[0][0, 0] - outs[0][0, 1]).max().item() > 1e-3  # the token mattered
     assert (tmp_path / "ours" / "README.md").read_text() == "# card\n"
 
 

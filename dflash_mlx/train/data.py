@@ -20,16 +20,40 @@ from ..bench import render
 
 
 def read_records(path: Path) -> list[dict]:
-    """Records {id, category, ids, start}: `ids` = prompt + reply, reply from `start`."""
+    """Records {id, category, ids, start}: `ids` = prompt + reply, reply from `start`.
+
+    A torn last line (a write interrupted mid-line) is dropped; an unparsable
+    line before it means the file is damaged, and is an error naming the line.
+    """
     if not path.exists():
         return []
+    lines = path.read_text().splitlines()
     out = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, 1):
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by an interrupted write
-            continue
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number} is not a JSON record ({exc})") from exc
     return out
+
+
+def end_at_a_record(path: Path) -> None:
+    """Cut a torn last line before appending, so the next record starts a line of its own."""
+    if not path.exists():
+        return
+    text = path.read_bytes()
+    if not text or text.endswith(b"\n"):
+        return
+    head, _, last = text.rpartition(b"\n")
+    try:
+        json.loads(last)
+    except json.JSONDecodeError:
+        with path.open("r+b") as f:
+            f.truncate(len(head) + 1 if head else 0)
+    else:  # complete, only its newline missing
+        with path.open("ab") as f:
+            f.write(b"\n")
 
 
 def generate_replies(
@@ -77,6 +101,7 @@ def extend_dataset(
     todo = [p for p in prompts if p["id"] not in done]
     print(f"{len(done)} replies stored, {len(todo)} to generate -> {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
+    end_at_a_record(path)
     tic, tokens = time.perf_counter(), 0
     with path.open("a") as f:
         for n, record in enumerate(
