@@ -268,10 +268,15 @@ def _speculate(
             return drafts, verdict
 
         tic = time.perf_counter()
-        for start in range(reused, len(prompt), PREFILL_STEP):
-            logits = model(mx.array(prompt[start : start + PREFILL_STEP])[None], cache=cache)
+        # All but the last prompt token in chunks whose logits are never computed; then the
+        # last one alone, as mlx-lm does: the LM head never sees more than one row.
+        for start in range(reused, len(prompt) - 1, PREFILL_STEP):
+            chunk = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
+            model(mx.array(chunk)[None], cache=cache)
             append_context(None)
             mx.eval([c.state for c in cache + draft_cache])
+        logits = model(mx.array(prompt[-1:])[None], cache=cache)
+        append_context(None)
         first = verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
         committed, committed_logits = first.choices.tolist(), first.logits
         prompt_tps = (len(prompt) - reused) / (time.perf_counter() - tic)

@@ -267,3 +267,31 @@ def test_generation_stops_where_the_context_is_full(loaded):
     prompt = prompt_of(4090, seed=3)  # the tiny targets hold 4096 positions
     tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=100)
     assert len(tokens) == 6 and responses[-1].finish_reason == "length"
+
+
+def test_prefill_never_builds_logits_for_the_whole_prompt(loaded):
+    """A long prompt's logits would be prompt × vocabulary floats (1.2 GB for 2,048 tokens
+    of Qwen's 151,936); like mlx-lm, only the last position may reach the LM head."""
+    from mlx_lm.models import llama
+
+    _, tokenizer, _ = loaded("llama-tied-gqa")
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=60_000,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    prompt = prompt_of(1500, seed=1)
+    full_logits = len(prompt) * args.vocab_size * 4  # bytes of fp32 logits for every position
+    mx.reset_peak_memory()
+    response = next(stream_generate(model, None, tokenizer, prompt, max_tokens=1))
+    assert response.peak_memory * 1e9 < full_logits / 4
+    expected = mx.argmax(model(mx.array(prompt)[None])[0, -1]).item()
+    assert response.tokens == [expected]
