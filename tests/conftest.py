@@ -10,6 +10,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import helpers  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.cuda` tests run only where MLX's CUDA backend has a GPU."""
+    import mlx.core as mx
+
+    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (MLX's CUDA backend)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
