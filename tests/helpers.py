@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -28,6 +29,10 @@ CHAT_TEMPLATE = (
 )
 TOKENIZER_VOCAB = 300
 EXTRA_ROWS = 20  # embedding rows beyond the tokenizer, like Qwen's padded vocab
+# Loading casts to float32 only on the CPU; a GPU (Metal or CUDA) keeps the checkpoint's dtype.
+cpu_default = pytest.mark.skipif(
+    mx.default_device().type == mx.gpu, reason="float32 is the CPU's default"
+)
 
 
 def build_tokenizer(path: Path, bos: bool = True) -> int:

@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import read_config, save_target
+from helpers import cpu_default, read_config, save_target
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
@@ -63,7 +63,7 @@ def test_float32_on_the_cpu_and_the_checkpoint_dtype_on_any_gpu():
     assert default_dtype() == dtype_for_device(mx.default_device().type)
 
 
-@pytest.mark.skipif(mx.default_device().type == mx.gpu, reason="float32 is the CPU's default")
+@cpu_default
 def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(bf16_target, q4_target):
     reloaded, _ = dflash_mlx.load(bf16_target)
     assert {p.dtype for _, p in tree_flatten(reloaded.parameters())} == {mx.float32}
