@@ -16,7 +16,8 @@ import signal
 import sys
 
 from .generate import encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .chat_format import chat_prompt
+from .session import ReplyStats, add_model_arguments, generation_kwargs, load_models
 from .target import TargetAdapter
 
 HELP = """commands:

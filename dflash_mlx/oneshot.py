@@ -12,8 +12,9 @@ import argparse
 import json
 import sys
 
+from .chat_format import chat_prompt, has_chat_template
 from .generate import stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import ReplyStats, add_model_arguments, generation_kwargs, load_models
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="wrap the prompt in the model's chat template (default: on)",
+        help="wrap the prompt in the model's chat template, if it has one (default: on)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
 
@@ -34,11 +35,11 @@ def run(args: argparse.Namespace) -> None:
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     model, tokenizer, draft = load_models(args)
-    if args.chat_template:
+    if args.chat_template and has_chat_template(tokenizer):  # as mlx_lm.generate: else raw
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = chat_prompt(tokenizer, [*messages, {"role": "user", "content": prompt}])
     elif args.system:
-        raise ValueError("--system needs the chat template")
+        raise ValueError("--system needs the model's chat template")
     stats = ReplyStats()
     for response in stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args)):
         stats.add(response)

@@ -35,8 +35,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 
+from .chat_format import chat_prompt
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, chat_prompt, generation_kwargs, load_models
+from .session import ReplyStats, add_model_arguments, generation_kwargs, load_models
 from .target import TargetAdapter
 
 log = logging.getLogger(__name__)

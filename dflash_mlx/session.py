@@ -1,4 +1,4 @@
-"""What `generate`, `chat` and `serve` share: model flags, loading, chat prompts, reply stats.
+"""What `generate`, `chat` and `serve` share: model flags, loading, reply stats.
 
 Kept apart from `cli.py` so the subcommand modules can import it without an
 import cycle through the dispatcher.
@@ -92,13 +92,6 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         acceptance=args.acceptance,
         adaptive=args.adaptive,
     )
-
-
-def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict[str, str]]) -> str:
-    """The conversation rendered with the model's chat template, ready for the reply."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 @dataclass

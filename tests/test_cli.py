@@ -12,7 +12,7 @@ from helpers import reference_greedy
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
-from dflash_mlx.session import chat_prompt
+from dflash_mlx.chat_format import chat_prompt
 
 TIMEOUT = 90
 STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"
