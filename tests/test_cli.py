@@ -147,6 +147,28 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(make_pair):
     assert child.exitstatus == 0
 
 
+def test_chat_ctrl_c_at_the_prompt_is_not_lost_before_the_read_starts(make_pair):
+    """A Ctrl-C that lands after ">> " is shown and before the read is waiting does not
+    interrupt the read. Blocking SIGINT in the main thread (another thread takes it)
+    puts every Ctrl-C in that state; `input()` would then wait for Enter forever."""
+    target, draft = make_pair("llama-tied-gqa")
+    script = (
+        "import signal, sys, threading; from dflash_mlx.cli import main; "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); "
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); main(sys.argv[1:])"
+    )
+    args = ["-c", script, "chat", "--model", str(target), "--draft", str(draft)]
+    child = pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=TIMEOUT)
+    child.expect(">> ")
+    child.sendintr()
+    child.expect("Ctrl-D or /quit to exit")
+    child.expect(">> ")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
     model, tokenizer, draft = loaded("llama-tied-gqa")
     chat = Chat(model, tokenizer, draft, {"max_tokens": 12}, "Be brief.", reuse)
