@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def make_pair(workdir):
         return built[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def no_template_pair(make_pair, workdir):
+    """llama-tied-gqa's target and drafter, the target's tokenizer without a chat template."""
+    target, draft = make_pair("llama-tied-gqa")
+    bare = workdir / "llama-no-chat-template"
+    bare.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    return bare, draft
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from helpers import reference_greedy
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
-from dflash_mlx.chat_format import chat_prompt
+from dflash_mlx.chat_format import chat_prompt, plain_chat
 
 TIMEOUT = 90
 STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"
@@ -77,6 +77,39 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     out = capsys.readouterr().out
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
         assert key in out
+
+
+def test_plain_role_format_is_mlx_lm_servers():
+    from mlx_lm.server import convert_chat
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "How many apples?"},
+        {"role": "assistant", "content": "Eight."},
+        {"role": "user", "content": "And pears?"},
+    ]
+    assert plain_chat(messages) == convert_chat(messages)
+    assert plain_chat(messages[1:2]) == "USER: How many apples?\nASSISTANT:"
+
+
+def test_chat_without_a_chat_template_answers_in_plain_role_format(no_template_pair, loaded):
+    target, draft = no_template_pair
+    turns = "How many apples?\nAlice has 3 apples\n"
+    out = dflash(f"chat --model {target} --draft {draft} -m 8", turns)
+    assert out.returncode == 0, out.stderr
+    text, n = greedy_text(
+        loaded, plain_chat([{"role": "user", "content": "How many apples?"}]), 8, chat=False
+    )
+    assert f">> {text}\n[{n} tokens" in out.stdout
+    assert out.stdout.count(" tokens, ") == 2  # both turns answered
+    assert out.stderr.count("has no chat template") == 1  # warned once
+
+
+def test_generate_without_a_chat_template_continues_the_raw_prompt(no_template_pair, loaded):
+    target, draft = no_template_pair
+    out = dflash(f"generate --model {target} --draft {draft} -p 'Alice has' -m 12")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
 
 
 def spawn_chat(make_pair, *flags: str):

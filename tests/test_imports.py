@@ -78,3 +78,10 @@ def test_the_graph_sees_lazy_and_relative_imports():
 def test_the_package_has_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_training_takes_its_prompt_rendering_from_chat_format_not_the_bench():
+    graph = import_graph()
+    training = [m for m in graph if m.startswith("dflash_mlx.train")]
+    assert "dflash_mlx.chat_format" in graph["dflash_mlx.train.data"]
+    assert not [m for m in training if "dflash_mlx.bench" in graph[m]]

@@ -7,10 +7,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import openai
 import pytest
 from test_cli import greedy_text
+
+from dflash_mlx.chat_format import plain_chat
 
 PROMPTS = [
     "How many apples?",
@@ -30,11 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(make_pair, tmp_path_factory):
-    target, draft = make_pair("llama-tied-gqa")
+@contextmanager
+def running_server(target, draft, log):
+    """Start `dflash-mlx serve` on a free port; yields (port, log path), then stops it."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
     cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port)]
     with open(log, "w") as out:
@@ -49,9 +51,18 @@ def server(make_pair, tmp_path_factory):
     else:
         proc.kill()
         pytest.fail(f"server did not start:\n{log.read_text()}")
-    yield port, log
-    proc.terminate()
-    proc.wait(timeout=20)
+    try:
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(make_pair, tmp_path_factory):
+    target, draft = make_pair("llama-tied-gqa")
+    with running_server(target, draft, tmp_path_factory.mktemp("server") / "server.log") as s:
+        yield s
 
 
 def get(port: int, path: str) -> tuple[int, dict]:
@@ -74,11 +85,15 @@ def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         conn.close()
 
 
+def openai_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+    )
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="unused", timeout=60, max_retries=0
-    )
+    return openai_client(server[0])
 
 
 def chat(client, prompt: str, max_tokens: int = 16, **kwargs):
@@ -188,3 +203,22 @@ def test_malformed_requests_get_400_with_a_message(server, path, body, message):
 def test_negative_max_tokens_is_a_bad_request_for_the_client(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         chat(client, "hi", max_tokens=-3)
+
+
+def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
+    no_template_pair, loaded, tmp_path
+):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    with running_server(*no_template_pair, tmp_path / "server.log") as (port, log):
+        client = openai_client(port)
+        replies = [
+            client.chat.completions.create(model="d", messages=messages, max_tokens=12)
+            for _ in range(2)
+        ]
+        text, n = greedy_text(loaded, plain_chat(messages), 12, chat=False)
+        assert [r.choices[0].message.content for r in replies] == [text, text]
+        assert replies[0].usage.completion_tokens == n
+        assert log.read_text().count("has no chat template") == 1  # warned once
