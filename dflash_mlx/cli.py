@@ -10,7 +10,7 @@ import argparse
 import platform
 import sys
 
-from . import __version__, bench, chat, convert, demo, oneshot, server, train
+from . import __version__, bench, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .gguf import cache_dir
 
@@ -44,7 +44,7 @@ COMMANDS = {
     "convert": (convert, "convert a drafter to the dflash-mlx layout"),
     "generate": (oneshot, "generate a reply to one prompt"),
     "chat": (chat, "chat with a model in the terminal"),
-    "serve": (server, "serve an OpenAI-compatible HTTP API"),
+    "serve": (serve, "serve an OpenAI-compatible HTTP API"),
     "bench": (bench, "benchmark DFlash against mlx-lm's own decoding"),
     "demo": (demo, "SmolLM2 with the shipped drafter: streamed reply, tau, speedup"),
     "train": (train, "train a DFlash drafter (data, features, fit, export)"),

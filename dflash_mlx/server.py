@@ -1,6 +1,4 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP API, like `mlx_lm.server`.
-
-    dflash-mlx serve --model M --draft D            # http://127.0.0.1:8080/v1
+"""The OpenAI-compatible HTTP API behind `dflash-mlx serve` (flags in `serve.py`).
 
 Built on FastAPI + uvicorn, not on `mlx_lm.server`: that server's handler is
 wired to its own generation machinery (batch generator, LRU prompt cache,
@@ -37,7 +35,7 @@ from starlette.background import BackgroundTask
 
 from .chat_format import chat_prompt
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
-from .session import ReplyStats, add_model_arguments, generation_kwargs, load_models
+from .session import ReplyStats, generation_kwargs, load_models
 from .target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -315,16 +313,8 @@ class Reply:
         yield "data: [DONE]\n\n"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, max_tokens=512)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
-
-
 def run(args: argparse.Namespace) -> None:
+    """Load the models from the flags and serve them until interrupted."""
     model, tokenizer, draft = load_models(args)
     worker = Worker(model, tokenizer, draft, generation_kwargs(args))
     app = create_app(worker, args.model)

@@ -1,6 +1,7 @@
 """`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -35,9 +36,11 @@ def greedy_text(loaded, prompt: str, max_tokens: int, chat: bool = True) -> tupl
     return detokenizer.text, len(tokens)
 
 
-def dflash(command: str, stdin: str = "") -> subprocess.CompletedProcess:
+def dflash(command: str, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dflash_mlx", *shlex.split(command)]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT, env=env
+    )
 
 
 def test_generate_json_from_stdin_equals_greedy(make_pair, loaded):
@@ -57,6 +60,33 @@ def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_p
     text, n = greedy_text(loaded, "Alice has", 12, chat=False)
     assert out.stdout == text + "\n"
     assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
+
+
+def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, tmp_path):
+    for package in ("fastapi", "uvicorn", "pydantic", "starlette"):  # shadowed: not installed
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(
+            f'raise ModuleNotFoundError("No module named {package!r}", name={package!r})'
+        )
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    target, _ = make_pair("llama-tied-gqa")
+
+    assert "usage: dflash-mlx train" in dflash("train --help", env=env).stdout
+    info = dflash("info", env=env)
+    assert info.returncode == 0 and "block-attention kernels" in info.stdout, info.stderr
+    out = dflash(
+        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12", env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
+
+    serve = dflash(f"serve --model {target} --no-draft", env=env)
+    assert serve.returncode == 1
+    assert serve.stderr == (
+        "dflash-mlx serve: error: serving needs uvicorn, which is not installed: "
+        "pip install fastapi uvicorn\n"
+    )
 
 
 def test_unreachable_hub_model_is_a_clear_error(make_pair):
