@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 
+import mlx.core as mx
 import pexpect
 import pytest
 from helpers import reference_greedy
@@ -107,6 +108,18 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     out = capsys.readouterr().out
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
         assert key in out
+    device = mx.default_device().type.name
+    assert f"{device}: {mx.device_info()['device_name']}" in out
+
+
+@pytest.mark.cuda
+def test_info_names_the_cuda_gpu_and_the_reference_kernels(capsys):
+    cli.main(["info"])
+    out = capsys.readouterr().out
+    assert f"gpu: {mx.device_info()['device_name']} (CUDA)" in out
+    assert re.search(r"cuda available +True", out)
+    assert re.search(r"block-attention kernels +reference", out)
+    assert re.search(r"models load in +the checkpoint's dtype", out)
 
 
 def test_plain_role_format_is_mlx_lm_servers():
