@@ -57,10 +57,7 @@ def make_pair(workdir):
 def no_template_pair(make_pair, workdir):
     """llama-tied-gqa's target and drafter, the target's tokenizer without a chat template."""
     target, draft = make_pair("llama-tied-gqa")
-    bare = workdir / "llama-no-chat-template"
-    bare.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (bare / f.name).write_bytes(f.read_bytes())
+    bare = helpers.copy_dir(target, workdir / "llama-no-chat-template")
     config = json.loads((target / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (bare / "tokenizer_config.json").write_text(json.dumps(config))

@@ -203,6 +203,14 @@ def save_draft(
     return path
 
 
+def copy_dir(source: Path, dest: Path) -> Path:
+    """A copy of a model or drafter directory, to edit one of its files."""
+    dest.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 

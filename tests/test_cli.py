@@ -10,7 +10,7 @@ import sys
 import mlx.core as mx
 import pexpect
 import pytest
-from helpers import reference_greedy
+from helpers import copy_dir, reference_greedy
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
@@ -266,10 +266,7 @@ def test_chat_overlong_conversation_is_a_message_not_a_crash(make_pair, workdir,
     import dflash_mlx
 
     target, draft_dir = make_pair("llama-tied-gqa")
-    small = workdir / "small-context"
-    small.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (small / f.name).write_bytes(f.read_bytes())
+    small = copy_dir(target, workdir / "small-context")
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     model, tokenizer = dflash_mlx.load(small)

@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import cpu_default, read_config, save_target
+from helpers import copy_dir, cpu_default, read_config, save_target
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
@@ -32,10 +32,7 @@ def test_nested_rope_theta_is_honoured(workdir, make_pair):
 @pytest.fixture(scope="module")
 def bf16_target(workdir, make_pair):
     target, _ = make_pair("qwen3-untied-mha")
-    bf16 = workdir / "bf16-target"
-    bf16.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (bf16 / f.name).write_bytes(f.read_bytes())
+    bf16 = copy_dir(target, workdir / "bf16-target")
     weights = mx.load(str(target / "model.safetensors"))
     mx.save_safetensors(
         str(bf16 / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
