@@ -21,7 +21,8 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.bench import bench, render
+from dflash_mlx.bench import bench
+from dflash_mlx.chat_format import render
 from dflash_mlx.gguf import smollm2_model_dir
 
 SOURCES = ("textwrap", "calendar", "difflib", "fractions", "statistics", "shlex", "heapq")

@@ -36,12 +36,12 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .blas import active_blas
+from .chat_format import render
 from .checkpoint import init_draft, load_draft
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import (
     GenerationResponse,
     PromptCache,
-    encode_prompt,
     make_prompt_cache,
     stream_generate,
 )
@@ -83,16 +83,6 @@ def load_prompts(path: str | Path = PROMPTS_FILE) -> list[dict[str, str]]:
             }
         )
     return prompts
-
-
-def render(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> list[int]:
-    """Token ids of `prompt`, as one user turn of the chat template when `chat`."""
-    if chat:
-        if not tokenizer.chat_template:
-            raise ValueError("the tokenizer has no chat template: pass --no-chat-template")
-        messages = [{"role": "user", "content": prompt}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return encode_prompt(tokenizer, prompt)
 
 
 class Stopwatch:

@@ -12,15 +12,17 @@ Ctrl-C interrupts at once, and the caches are then rebuilt on the next turn.
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import signal
 import sys
 
+from .chat_format import chat_prompt
 from .generate import encode_prompt, make_prompt_cache, stream_generate
 from .session import (
     ReplyStats,
     add_model_arguments,
     add_template_config_argument,
-    chat_prompt,
     generation_kwargs,
     load_models,
 )
@@ -117,6 +119,37 @@ class Chat:
         )
 
 
+def read_line(prompt: str) -> str:
+    """`input(prompt)`, but a Ctrl-C that lands after the prompt is shown and before
+    the read starts still raises KeyboardInterrupt instead of being held until Enter.
+
+    A signal only interrupts a read that is already waiting, so `input` loses that
+    window. Here the signal also writes its number to a pipe (`signal.set_wakeup_fd`)
+    and the wait is on the terminal and the pipe together: the number is there
+    whenever the signal came. Only for a terminal: a pipe's lines may sit in
+    `sys.stdin`'s buffer, out of `select`'s sight.
+    """
+    if not sys.stdin.isatty():
+        return input(prompt)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: None)  # the pipe tells instead
+    previous_fd = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    try:
+        print(prompt, end="", flush=True)
+        while True:
+            ready, _, _ = select.select([sys.stdin, wake_read], [], [])
+            if wake_read in ready and signal.SIGINT in os.read(wake_read, 64):
+                raise KeyboardInterrupt
+            if sys.stdin in ready:
+                return input()
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_handler)
+        os.close(wake_read)
+        os.close(wake_write)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
     parser.add_argument("--system", help="system message")
@@ -139,11 +172,11 @@ def run(args: argparse.Namespace) -> None:
         not args.no_prompt_cache,
         args.chat_template_config,
     )
-    chat_prompt(tokenizer, [{"role": "user", "content": "check"}])  # fail now, not at turn 1
+    chat_prompt(tokenizer, [{"role": "user", "content": "check"}])  # fail or warn now, not later
     print("dflash-mlx chat: /help for commands, Ctrl-D to exit", flush=True)
     while True:
         try:
-            line = input(">> ").strip()
+            line = read_line(">> ").strip()
         except EOFError:
             print()
             return

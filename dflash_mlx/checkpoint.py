@@ -14,69 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import dequantize_model
 
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from .loading import cast_model, default_dtype, read_config, resolve_path
+from .target import TargetAdapter
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_path(path_or_repo: str | Path, what: str, patterns: list[str]) -> Path:
-    """A local directory as is, otherwise a hub snapshot, with an error that says which failed."""
-    path = Path(path_or_repo).expanduser()
-    if path.is_dir():
-        return path
-    name = str(path_or_repo)
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
-    if looks_local:
-        raise FileNotFoundError(f"{what} directory not found: {name}")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name, allow_patterns=patterns))
-    except Exception as exc:
-        raise hub_error(exc, what, name) from exc
-
-
-def hub_error(exc: Exception, what: str, name: str) -> Exception:
-    """What a failed hub download means for the user: gated, refused, missing or offline."""
-    from huggingface_hub import errors
-
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    if isinstance(exc, errors.GatedRepoError):
-        return PermissionError(
-            f"{what} '{name}' is a gated repository on the Hugging Face hub: accept its terms "
-            "on its page, then log in with a token that may read it (`hf auth login`)"
-        )
-    if isinstance(exc, errors.RepositoryNotFoundError):
-        return FileNotFoundError(
-            f"{what} '{name}' was not found on the Hugging Face hub (HTTP {status}); if it is "
-            "private, log in with a token that may read it (`hf auth login`)"
-        )
-    if isinstance(exc, errors.HfHubHTTPError) and status in (401, 403):
-        return PermissionError(
-            f"the Hugging Face hub refused access to {what} '{name}' (HTTP {status}: {detail}); "
-            "check your token (`hf auth login`)"
-        )
-    if isinstance(exc, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
-        return FileNotFoundError(
-            f"{what} '{name}' is not in the local hub cache and the hub could not be reached "
-            f"({detail}). If this machine is offline, pass a local directory instead."
-        )
-    return FileNotFoundError(
-        f"could not fetch {what} '{name}' from the Hugging Face hub ({detail})"
-    )
-
-
-def read_config(path: Path) -> dict:
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"no config.json in {path}")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -96,19 +39,6 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     }
 
 
-def default_dtype() -> mx.Dtype | None:
-    """float32 on the CPU (bf16/quantized matmuls are not BLAS-accelerated there); else keep."""
-    return None if mx.metal.is_available() else mx.float32
-
-
-def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
-    """Dequantize and cast to `dtype`; `None` keeps the checkpoint's dtype and quantization."""
-    if dtype is None:
-        return
-    dequantize_model(model)
-    model.set_dtype(dtype)
-
-
 def load_draft(
     path_or_repo: str | Path,
     dtype: mx.Dtype | None = None,
@@ -118,7 +48,7 @@ def load_draft(
 ) -> DFlashDraft:
     """Load a DFlash drafter from a local directory or a hub id, in either layout.
 
-    `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on Metal.
+    `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
     `context_window` keeps the drafter's attention to the last W context positions.
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
@@ -173,8 +103,6 @@ def init_draft(
     Attention and MLP shapes follow the target's own layers; the tapped target
     layers are spread as in the published drafters.
     """
-    from .target import TargetAdapter
-
     target = TargetAdapter(model)
     args = getattr(model, "args", None)
     hidden = target.hidden_size

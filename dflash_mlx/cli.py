@@ -10,17 +10,36 @@ import argparse
 import platform
 import sys
 
-from . import __version__, bench, chat, convert, demo, oneshot, server, train
+import mlx.core as mx
+
+from . import __version__, bench, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .gguf import cache_dir
 
 
+def cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)  # MLX builds before the CUDA backend have no mx.cuda
+    return cuda is not None and cuda.is_available()
+
+
+def device_description() -> str:
+    """The default device with its name and backend, e.g. "gpu: NVIDIA H100 (CUDA)"."""
+    device = mx.default_device()
+    details = mx.device_info(device) if hasattr(mx, "device_info") else {}
+    if device.type != mx.gpu:
+        backend = "CPU"
+    else:
+        backend = "Metal" if mx.metal.is_available() else "CUDA" if cuda_available() else "GPU"
+    name = details.get("device_name") or details.get("architecture") or "unnamed"
+    return f"{device.type.name}: {name} ({backend})"
+
+
 def info(_: argparse.Namespace) -> None:
-    import mlx.core as mx
     import mlx_lm
     from huggingface_hub.constants import HF_HUB_CACHE
 
     from .kernels import active_backend
+    from .loading import default_dtype
 
     rows = [
         ("dflash-mlx", __version__),
@@ -28,8 +47,13 @@ def info(_: argparse.Namespace) -> None:
         ("platform", f"{platform.system()} {platform.machine()}"),
         ("mlx", mx.__version__),
         ("mlx-lm", mlx_lm.__version__),
-        ("device", str(mx.default_device())),
+        ("device", device_description()),
         ("metal available", str(mx.metal.is_available())),
+        ("cuda available", str(cuda_available())),
+        (
+            "models load in",
+            str(default_dtype() or "the checkpoint's dtype").removeprefix("mlx.core."),
+        ),
         ("BLAS", active_blas()),
         ("block-attention kernels", active_backend()),
         ("dflash-mlx cache", str(cache_dir())),
@@ -44,7 +68,7 @@ COMMANDS = {
     "convert": (convert, "convert a drafter to the dflash-mlx layout"),
     "generate": (oneshot, "generate a reply to one prompt"),
     "chat": (chat, "chat with a model in the terminal"),
-    "serve": (server, "serve an OpenAI-compatible HTTP API"),
+    "serve": (serve, "serve an OpenAI-compatible HTTP API"),
     "bench": (bench, "benchmark DFlash against mlx-lm's own decoding"),
     "demo": (demo, "SmolLM2 with the shipped drafter: streamed reply, tau, speedup"),
     "train": (train, "train a DFlash drafter (data, features, fit, export)"),

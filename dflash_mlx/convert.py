@@ -1,12 +1,11 @@
 """Convert a drafter (published z-lab layout) to our layout: cast, optionally quantize.
 
-python -m dflash_mlx.convert z-lab/Qwen3-4B-DFlash-b16 --out qwen3-4b-dflash -q --q-bits 4
+dflash-mlx convert z-lab/Qwen3-4B-DFlash-b16 --out qwen3-4b-dflash -q --q-bits 4
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -96,9 +95,3 @@ def run(args: argparse.Namespace) -> None:
         q_group_size=args.q_group_size,
     )
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    from .cli import main
-
-    main(["convert", *sys.argv[1:]])

@@ -18,7 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from .bench import measure, render, throughput
+from .bench import measure, throughput
+from .chat_format import render
 from .checkpoint import load_draft
 from .generate import GenerationResponse, stream_generate
 from .target import load

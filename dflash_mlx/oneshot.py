@@ -12,12 +12,12 @@ import argparse
 import json
 import sys
 
+from .chat_format import chat_prompt, has_chat_template
 from .generate import stream_generate
 from .session import (
     ReplyStats,
     add_model_arguments,
     add_template_config_argument,
-    chat_prompt,
     generation_kwargs,
     load_models,
 )
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="wrap the prompt in the model's chat template (default: on)",
+        help="wrap the prompt in the model's chat template, if it has one (default: on)",
     )
     add_template_config_argument(parser)
     parser.add_argument(
@@ -49,12 +49,12 @@ def run(args: argparse.Namespace) -> None:
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     model, tokenizer, draft = load_models(args)
-    if args.chat_template:
+    if args.chat_template and has_chat_template(tokenizer):  # as mlx_lm.generate: else raw
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": prompt})
         prompt = chat_prompt(tokenizer, messages, **args.chat_template_config)
     elif args.system:
-        raise ValueError("--system needs the chat template")
+        raise ValueError("--system needs the model's chat template")
     stats = ReplyStats()
     responses = stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args))
     for response in stop_at_strings(responses, args.stop):

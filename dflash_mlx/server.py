@@ -1,6 +1,4 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP API, like `mlx_lm.server`.
-
-    dflash-mlx serve --model M --draft D            # http://127.0.0.1:8080/v1
+"""The OpenAI-compatible HTTP API behind `dflash-mlx serve` (flags in `serve.py`).
 
 Built on FastAPI + uvicorn, not on `mlx_lm.server`: that server's handler is
 wired to its own generation machinery (batch generator, LRU prompt cache,
@@ -50,14 +48,13 @@ from pydantic import (
 )
 from starlette.background import BackgroundTask
 
+from .chat_format import chat_prompt
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
 from .session import (
+    DEFAULT_MAX_QUEUE,
     PROCESSOR_SETTINGS,
     ReplyStats,
-    add_model_arguments,
-    chat_prompt,
     generation_kwargs,
-    json_object,
     load_models,
     processor_settings,
 )
@@ -227,7 +224,6 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
         return error(400, f"{where or 'body'}: {message}", where or None)
 
 
-DEFAULT_MAX_QUEUE = 16
 RETRY_AFTER_S = 5
 
 
@@ -641,29 +637,8 @@ class Reply:
         yield "data: [DONE]\n\n"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, max_tokens=512)
-    parser.add_argument(
-        "--chat-template-args",
-        type=json_object,
-        default={},
-        help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}' """
-        "(a request's chat_template_kwargs override them)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument(
-        "--max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help="requests that may wait for the model; more get 503 with Retry-After",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
-
-
 def run(args: argparse.Namespace) -> None:
+    """Load the models from the flags and serve them until interrupted."""
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
     model, tokenizer, draft = load_models(args)

@@ -1,4 +1,4 @@
-"""What `generate`, `chat` and `serve` share: model flags, loading, chat prompts, reply stats.
+"""What `generate`, `chat` and `serve` share: model flags, loading, reply stats.
 
 Kept apart from `cli.py` so the subcommand modules can import it without an
 import cycle through the dispatcher.
@@ -22,6 +22,8 @@ from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
 from .target import load
+
+DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -125,24 +127,6 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         min_p=args.min_p,
         acceptance=args.acceptance,
         adaptive=args.adaptive,
-    )
-
-
-def chat_prompt(
-    tokenizer: TokenizerWrapper,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
-    **template_kwargs: Any,
-) -> str:
-    """The conversation rendered with the model's chat template, ready for the reply.
-
-    `tools` and `template_kwargs` (e.g. `enable_thinking=False`) reach the
-    template as in mlx-lm's `apply_chat_template`.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
 
 

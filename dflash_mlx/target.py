@@ -36,7 +36,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from .checkpoint import cast_model, default_dtype, read_config, resolve_path
+from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 
 TARGET_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -64,7 +64,7 @@ def load(
 
     `dtype` defaults to float32 on the CPU (quantized weights are dequantized:
     quantized and bf16 matmuls are not BLAS-accelerated there) and to the
-    checkpoint's dtype on Metal. Extra keyword arguments go to `mlx_lm.load`.
+    checkpoint's dtype on a GPU (Metal or CUDA). Extra keyword arguments go to `mlx_lm.load`.
     """
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,18 @@ import dflash_mlx  # noqa: E402  (binds the system BLAS before anything imports 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.cuda` tests run only where MLX's CUDA backend has a GPU."""
+    import mlx.core as mx
+
+    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (MLX's CUDA backend)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +58,17 @@ def make_pair(workdir):
         return built[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def no_template_pair(make_pair, workdir):
+    """llama-tied-gqa's target and drafter, the target's tokenizer without a chat template."""
+    target, draft = make_pair("llama-tied-gqa")
+    bare = helpers.copy_dir(target, workdir / "llama-no-chat-template")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    return bare, draft
 
 
 @pytest.fixture(scope="session")

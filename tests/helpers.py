@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from tokenizers import (
@@ -50,6 +51,10 @@ TOOL_CHAT_TEMPLATE = (
 TOOL_CALL = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
 TOKENIZER_VOCAB = 300
 EXTRA_ROWS = 20  # embedding rows beyond the tokenizer, like Qwen's padded vocab
+# Loading casts to float32 only on the CPU; a GPU (Metal or CUDA) keeps the checkpoint's dtype.
+cpu_default = pytest.mark.skipif(
+    mx.default_device().type == mx.gpu, reason="float32 is the CPU's default"
+)
 
 
 def build_tokenizer(path: Path, bos: bool = True, tools: bool = False) -> int:
@@ -265,6 +270,14 @@ DFLASH2 = {
     "final_logit_softcapping": 20.0,
     "sliding_window": 12,
 }
+
+
+def copy_dir(source: Path, dest: Path) -> Path:
+    """A copy of a model or drafter directory, to edit one of its files."""
+    dest.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
 
 
 def read_config(path: Path) -> dict:

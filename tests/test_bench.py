@@ -10,6 +10,7 @@ from helpers import reference_greedy
 from test_generate import OracleDraft
 
 from dflash_mlx import bench
+from dflash_mlx.chat_format import render
 
 PROMPTS = [
     {"id": "code", "category": "coding", "prompt": "def add(a, b):"},
@@ -75,7 +76,7 @@ def test_acceptance_per_position_known_pattern():
 def test_oracle_drafter_is_fully_accepted_and_instances_restored(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     prompt = {"id": "p", "category": "", "prompt": "def add(a, b):"}
-    ids = bench.render(tokenizer, prompt["prompt"], chat=True)
+    ids = render(tokenizer, prompt["prompt"], chat=True)
     expected = reference_greedy(model, ids, 40, set(tokenizer.eos_token_ids))
     oracle = OracleDraft(draft, ids + expected)
     classes = type(model), type(oracle)
@@ -91,7 +92,7 @@ def test_oracle_drafter_is_fully_accepted_and_instances_restored(loaded):
 
 def test_divergence_reports_first_index_and_top2_gap(loaded):
     model, tokenizer, _ = loaded("llama-tied-gqa")
-    ids = bench.render(tokenizer, "The quick brown fox", chat=False)
+    ids = render(tokenizer, "The quick brown fox", chat=False)
     ar = reference_greedy(model, ids, 8, set())
     other = (ar[3] + 1) % 300
     d = bench.divergence(model, ids, ar, ar[:3] + [other] + ar[4:])

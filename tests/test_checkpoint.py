@@ -9,7 +9,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import read_config, save_draft, save_target
+from helpers import cpu_default, read_config, save_draft, save_target
 from mlx.utils import tree_flatten
 
 from dflash_mlx import load_draft, stream_generate
@@ -87,6 +87,7 @@ def test_sharded_nested_rope_layout_loads_identically(published, workdir):
     )
 
 
+@cpu_default
 def test_loaded_in_float32_on_cpu(published):
     draft = published[3]
     assert {p.dtype for _, p in tree_flatten(draft.parameters())} == {mx.float32}
@@ -122,6 +123,7 @@ def test_quantized_drafts_mostly_agree(published, workdir, bits, min_agreement):
     assert agreement >= min_agreement, agreement
 
 
+@cpu_default
 def test_quantized_drafter_is_dequantized_on_cpu(published, workdir):
     import mlx.nn as nn
 

@@ -2,19 +2,21 @@
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
 
+import mlx.core as mx
 import pexpect
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import copy_dir, mlx_lm_greedy
 from test_generate import oracle_for
 
 from dflash_mlx import cli
 from dflash_mlx.chat import Chat
-from dflash_mlx.session import chat_prompt
+from dflash_mlx.chat_format import chat_prompt, plain_chat
 
 TIMEOUT = 90
 STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"
@@ -48,9 +50,11 @@ def decode_greedy(model, tokenizer, text: str, max_tokens: int, **settings) -> t
     return detokenizer.text, len(tokens)
 
 
-def dflash(command: str, stdin: str = "") -> subprocess.CompletedProcess:
+def dflash(command: str, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dflash_mlx", *shlex.split(command)]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT, env=env
+    )
 
 
 def test_generate_json_from_stdin_equals_greedy(make_pair, loaded):
@@ -114,6 +118,33 @@ def test_no_draft_loads_no_drafter(make_pair):
     assert load_models(parser.parse_args(["--model", str(target), "--no-draft"]))[2] is None
 
 
+def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, tmp_path):
+    for package in ("fastapi", "uvicorn", "pydantic", "starlette"):  # shadowed: not installed
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(
+            f'raise ModuleNotFoundError("No module named {package!r}", name={package!r})'
+        )
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    target, _ = make_pair("llama-tied-gqa")
+
+    assert "usage: dflash-mlx train" in dflash("train --help", env=env).stdout
+    info = dflash("info", env=env)
+    assert info.returncode == 0 and "block-attention kernels" in info.stdout, info.stderr
+    out = dflash(
+        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12", env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
+
+    serve = dflash(f"serve --model {target} --no-draft", env=env)
+    assert serve.returncode == 1
+    assert serve.stderr == (
+        "dflash-mlx serve: error: serving needs uvicorn, which is not installed: "
+        "pip install fastapi uvicorn\n"
+    )
+
+
 def test_unreachable_hub_model_is_a_clear_error(make_pair):
     _, draft = make_pair("llama-tied-gqa")
     out = dflash(f"generate --model no-such-org/no-such-model --draft {draft} -p x")
@@ -132,6 +163,51 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     out = capsys.readouterr().out
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
         assert key in out
+    device = mx.default_device().type.name
+    assert f"{device}: {mx.device_info()['device_name']}" in out
+
+
+@pytest.mark.cuda
+def test_info_names_the_cuda_gpu_and_the_reference_kernels(capsys):
+    cli.main(["info"])
+    out = capsys.readouterr().out
+    assert f"gpu: {mx.device_info()['device_name']} (CUDA)" in out
+    assert re.search(r"cuda available +True", out)
+    assert re.search(r"block-attention kernels +reference", out)
+    assert re.search(r"models load in +the checkpoint's dtype", out)
+
+
+def test_plain_role_format_is_mlx_lm_servers():
+    from mlx_lm.server import convert_chat
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "How many apples?"},
+        {"role": "assistant", "content": "Eight."},
+        {"role": "user", "content": "And pears?"},
+    ]
+    assert plain_chat(messages) == convert_chat(messages)
+    assert plain_chat(messages[1:2]) == "USER: How many apples?\nASSISTANT:"
+
+
+def test_chat_without_a_chat_template_answers_in_plain_role_format(no_template_pair, loaded):
+    target, draft = no_template_pair
+    turns = "How many apples?\nAlice has 3 apples\n"
+    out = dflash(f"chat --model {target} --draft {draft} -m 8", turns)
+    assert out.returncode == 0, out.stderr
+    text, n = greedy_text(
+        loaded, plain_chat([{"role": "user", "content": "How many apples?"}]), 8, chat=False
+    )
+    assert f">> {text}\n[{n} tokens" in out.stdout
+    assert out.stdout.count(" tokens, ") == 2  # both turns answered
+    assert out.stderr.count("has no chat template") == 1  # warned once
+
+
+def test_generate_without_a_chat_template_continues_the_raw_prompt(no_template_pair, loaded):
+    target, draft = no_template_pair
+    out = dflash(f"generate --model {target} --draft {draft} -p 'Alice has' -m 12")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
 
 
 def spawn_chat(make_pair, *flags: str):
@@ -202,6 +278,28 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(make_pair):
     assert child.exitstatus == 0
 
 
+def test_chat_ctrl_c_at_the_prompt_is_not_lost_before_the_read_starts(make_pair):
+    """A Ctrl-C that lands after ">> " is shown and before the read is waiting does not
+    interrupt the read. Blocking SIGINT in the main thread (another thread takes it)
+    puts every Ctrl-C in that state; `input()` would then wait for Enter forever."""
+    target, draft = make_pair("llama-tied-gqa")
+    script = (
+        "import signal, sys, threading; from dflash_mlx.cli import main; "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); "
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); main(sys.argv[1:])"
+    )
+    args = ["-c", script, "chat", "--model", str(target), "--draft", str(draft)]
+    child = pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=TIMEOUT)
+    child.expect(">> ")
+    child.sendintr()
+    child.expect("Ctrl-D or /quit to exit")
+    child.expect(">> ")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
     model, tokenizer, draft = loaded("llama-tied-gqa")
     chat = Chat(model, tokenizer, draft, {"max_tokens": 12}, "Be brief.", reuse)
@@ -231,10 +329,7 @@ def test_chat_overlong_conversation_is_a_message_not_a_crash(make_pair, workdir,
     import dflash_mlx
 
     target, draft_dir = make_pair("llama-tied-gqa")
-    small = workdir / "small-context"
-    small.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (small / f.name).write_bytes(f.read_bytes())
+    small = copy_dir(target, workdir / "small-context")
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     model, tokenizer = dflash_mlx.load(small)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import reference_greedy
+from helpers import copy_dir, reference_greedy
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token
 
@@ -169,10 +169,7 @@ def test_vocab_survives_save_load_and_full_vocab_ignores_it(loaded, make_pair, t
     assert dflash_mlx.load_draft(tmp_path / "published").config.draft_vocab == vocab
 
     _, published = make_pair("llama-tied-gqa")
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for f in published.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = copy_dir(published, tmp_path / "copy")
     set_draft_vocab(copy, [9, 3, 3])
     assert dflash_mlx.load_draft(copy).config.draft_vocab == [3, 9]
     set_draft_vocab(copy, None)

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import reference_greedy, set_eos
+from helpers import copy_dir, reference_greedy, set_eos
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -105,10 +105,7 @@ def test_eos_inside_a_block_stops_there(make_pair, workdir):
     free_run = reference_greedy(model, prompt, 80, set())
     eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
     stop = free_run.index(eos)
-    eos_dir = workdir / "eos-target"
-    eos_dir.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (eos_dir / f.name).write_bytes(f.read_bytes())
+    eos_dir = copy_dir(target, workdir / "eos-target")
     set_eos(eos_dir, eos)
     model, tokenizer = dflash_mlx.load(eos_dir)
     oracle = OracleDraft(draft, prompt + free_run)

@@ -19,8 +19,8 @@ from test_cli import decode_greedy, greedy_text
 from test_generate import oracle_for
 from test_stops import stop_in
 
+from dflash_mlx.chat_format import chat_prompt, plain_chat
 from dflash_mlx.server import Worker, create_app
-from dflash_mlx.session import chat_prompt
 
 PROMPTS = [
     "How many apples?",
@@ -40,8 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target, draft, log) -> tuple[subprocess.Popen, int]:
-    """`dflash-mlx serve` on a free port, once it answers /health."""
+@contextmanager
+def running_server(target, draft, log):
+    """Start `dflash-mlx serve` on a free port; yields (port, log path), then stops it."""
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
     cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port)]
@@ -54,17 +55,21 @@ def start_server(target, draft, log) -> tuple[subprocess.Popen, int]:
                 return proc, port
         except OSError:
             time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"server did not start:\n{log.read_text()}")
+    else:
+        proc.kill()
+        pytest.fail(f"server did not start:\n{log.read_text()}")
+    try:
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
 def server(make_pair, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, port = start_server(*make_pair("llama-tied-gqa"), log)
-    yield port, log
-    proc.terminate()
-    proc.wait(timeout=20)
+    target, draft = make_pair("llama-tied-gqa")
+    with running_server(target, draft, tmp_path_factory.mktemp("server") / "server.log") as s:
+        yield s
 
 
 def get(port: int, path: str) -> tuple[int, dict]:
@@ -87,11 +92,15 @@ def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         conn.close()
 
 
+def openai_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+    )
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="unused", timeout=60, max_retries=0
-    )
+    return openai_client(server[0])
 
 
 def chat(client, prompt: str, max_tokens: int = 16, **kwargs):
@@ -273,12 +282,10 @@ def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, 
 def tool_client(make_pair, tmp_path_factory):
     """A server on llama-tools: the same weights, a tool-calling chat template."""
     log = tmp_path_factory.mktemp("tool-server") / "server.log"
-    proc, port = start_server(*make_pair("llama-tools"), log)
-    yield openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
-    )
-    proc.terminate()
-    proc.wait(timeout=20)
+    with running_server(*make_pair("llama-tools"), log) as (port, _):
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+        )
 
 
 WEATHER = {
@@ -516,3 +523,22 @@ def test_server_reports_the_known_tau_of_an_oracle_drafter(loaded):
     assert status == 200
     assert reply["dflash"]["tau"] == pytest.approx(tau) and tau > 3
     assert reply["dflash"]["acceptance_rate"] == 1.0
+
+
+def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
+    no_template_pair, loaded, tmp_path
+):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    with running_server(*no_template_pair, tmp_path / "server.log") as (port, log):
+        client = openai_client(port)
+        replies = [
+            client.chat.completions.create(model="d", messages=messages, max_tokens=12)
+            for _ in range(2)
+        ]
+        text, n = greedy_text(loaded, plain_chat(messages), 12, chat=False)
+        assert [r.choices[0].message.content for r in replies] == [text, text]
+        assert replies[0].usage.completion_tokens == n
+        assert log.read_text().count("has no chat template") == 1  # warned once

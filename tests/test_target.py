@@ -9,13 +9,14 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import read_config, reference_greedy, save_target
+from helpers import copy_dir, cpu_default, read_config, reference_greedy, save_target
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
 
 import dflash_mlx
 from dflash_mlx import blas, stream_generate
+from dflash_mlx.loading import default_dtype, dtype_for_device
 from dflash_mlx.target import TargetAdapter
 
 
@@ -29,22 +30,21 @@ def test_nested_rope_theta_is_honoured(workdir, make_pair):
     assert dflash_mlx.load(nested)[0].model.layers[0].self_attn.rope.base == 50000.0
 
 
-def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(workdir, make_pair, loaded):
+@pytest.fixture(scope="module")
+def bf16_target(workdir, make_pair):
     target, _ = make_pair("qwen3-untied-mha")
-    model, _, _ = loaded("qwen3-untied-mha")
-    bf16 = workdir / "bf16-target"
-    bf16.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        (bf16 / f.name).write_bytes(f.read_bytes())
+    bf16 = copy_dir(target, workdir / "bf16-target")
     weights = mx.load(str(target / "model.safetensors"))
     mx.save_safetensors(
         str(bf16 / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
     )
-    reloaded, _ = dflash_mlx.load(bf16)
-    assert {p.dtype for _, p in tree_flatten(reloaded.parameters())} == {mx.float32}
-    halves, _ = dflash_mlx.load(bf16, dtype=mx.float16)
-    assert {p.dtype for _, p in tree_flatten(halves.parameters())} == {mx.float16}
+    return bf16
 
+
+@pytest.fixture(scope="module")
+def q4_target(workdir, make_pair):
+    """A 4-bit copy of the target and the quantized model it was saved from."""
+    target, _ = make_pair("qwen3-untied-mha")
     q_dir = workdir / "q4-target"
     nn.quantize(model_q := dflash_mlx.load(target)[0], group_size=32, bits=4)
     save_model(q_dir, model_q)
@@ -52,11 +52,36 @@ def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(workdir, make_pa
     (q_dir / "config.json").write_text(json.dumps(config))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (q_dir / f).write_bytes((target / f).read_bytes())
+    return q_dir, model_q
+
+
+def test_float32_on_the_cpu_and_the_checkpoint_dtype_on_any_gpu():
+    assert dtype_for_device(mx.cpu) == mx.float32
+    assert dtype_for_device(mx.gpu) is None  # Metal or CUDA: bf16 and quantization kept
+    assert default_dtype() == dtype_for_device(mx.default_device().type)
+
+
+@cpu_default
+def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(bf16_target, q4_target):
+    reloaded, _ = dflash_mlx.load(bf16_target)
+    assert {p.dtype for _, p in tree_flatten(reloaded.parameters())} == {mx.float32}
+    halves, _ = dflash_mlx.load(bf16_target, dtype=mx.float16)
+    assert {p.dtype for _, p in tree_flatten(halves.parameters())} == {mx.float16}
+
+    q_dir, model_q = q4_target
     dequantized, _ = dflash_mlx.load(q_dir)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dequantized.named_modules())
     assert {p.dtype for _, p in tree_flatten(dequantized.parameters())} == {mx.float32}
     tokens = mx.array([[5, 9, 33]])
     assert mx.allclose(dequantized(tokens), model_q(tokens), atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_bf16_and_quantization_are_kept_on_a_cuda_gpu(bf16_target, q4_target):
+    model, _ = dflash_mlx.load(bf16_target)
+    assert {p.dtype for _, p in tree_flatten(model.parameters())} == {mx.bfloat16}
+    quantized, _ = dflash_mlx.load(q4_target[0])
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in quantized.named_modules())
 
 
 def test_captured_features_are_the_layer_outputs(loaded):

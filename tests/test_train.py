@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dflash_mlx
-from dflash_mlx.bench import render
+from dflash_mlx.chat_format import render
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.blocks import (
     block_hidden,

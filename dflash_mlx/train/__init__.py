@@ -132,7 +132,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from ..bench import render
+    from ..chat_format import render
     from .data import read_records
     from .features import cached_records, load_features
     from .prompts import build_prompts
@@ -221,8 +221,8 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     if args.draft_vocab:
         from mlx_lm.utils import load_tokenizer
 
-        from ..checkpoint import read_config, resolve_path
         from ..gguf import smollm2_model_dir
+        from ..loading import read_config, resolve_path
         from ..target import TARGET_PATTERNS
         from .data import read_records
         from .export import top_tokens

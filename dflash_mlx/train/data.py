@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..bench import render
+from ..chat_format import render
 
 
 def read_records(path: Path) -> list[dict]:

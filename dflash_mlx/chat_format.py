@@ -1,0 +1,66 @@
+"""Rendering a conversation for the model: its chat template or, for a tokenizer
+without one, the plain role format `mlx_lm.server` falls back to.
+
+Shared by the subcommands, the bench and the trainer, so a drafter is trained on
+prompts rendered the way they are served.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .generate import encode_prompt
+
+logger = logging.getLogger(__name__)
+
+# mlx_lm.server's default role prefixes; the reply starts after "ASSISTANT:".
+PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+
+@cache
+def warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def plain_chat(messages: list[dict[str, str]]) -> str:
+    """One `ROLE: content` line per message, then the reply's own prefix."""
+    lines = [f"{PLAIN_ROLES.get(m['role'], '')}{m['content']}" for m in messages]
+    return "\n".join([*lines, PLAIN_ROLES["assistant"].rstrip()])
+
+
+def has_chat_template(tokenizer: TokenizerWrapper) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt(
+    tokenizer: TokenizerWrapper,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """The conversation rendered with the model's chat template, ready for the reply.
+
+    `tools` and `template_kwargs` (e.g. `enable_thinking=False`) reach the
+    template as in mlx-lm's `apply_chat_template`. A tokenizer without a
+    template gets `plain_chat`, as in `mlx_lm.server`, with a warning the first time.
+    """
+    if not has_chat_template(tokenizer):
+        warn_once(
+            "the model's tokenizer has no chat template: "
+            "using a plain 'USER: ... ASSISTANT:' format, as mlx_lm.server does"
+        )
+        return plain_chat(messages)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+
+
+def render(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> list[int]:
+    """Token ids of `prompt`, as one user turn of the conversation format when `chat`."""
+    if chat:
+        prompt = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    return encode_prompt(tokenizer, prompt)

@@ -1,0 +1,92 @@
+"""What loading a target and a drafter share: finding the checkpoint, reading its
+config, and the dtype it runs in on this device.
+
+Kept apart from `target.py` and `checkpoint.py` so both take these from here and
+neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import dequantize_model
+
+
+def resolve_path(path_or_repo: str | Path, what: str, patterns: list[str]) -> Path:
+    """A local directory as is, otherwise a hub snapshot, with an error that says which failed."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_repo)
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
+    if looks_local:
+        raise FileNotFoundError(f"{what} directory not found: {name}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:
+        raise hub_error(exc, what, name) from exc
+
+
+def hub_error(exc: Exception, what: str, name: str) -> Exception:
+    """What a failed hub download means for the user: gated, refused, missing or offline."""
+    from huggingface_hub import errors
+
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if isinstance(exc, errors.GatedRepoError):
+        return PermissionError(
+            f"{what} '{name}' is a gated repository on the Hugging Face hub: accept its terms "
+            "on its page, then log in with a token that may read it (`hf auth login`)"
+        )
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return FileNotFoundError(
+            f"{what} '{name}' was not found on the Hugging Face hub (HTTP {status}); if it is "
+            "private, log in with a token that may read it (`hf auth login`)"
+        )
+    if isinstance(exc, errors.HfHubHTTPError) and status in (401, 403):
+        return PermissionError(
+            f"the Hugging Face hub refused access to {what} '{name}' (HTTP {status}: {detail}); "
+            "check your token (`hf auth login`)"
+        )
+    if isinstance(exc, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+        return FileNotFoundError(
+            f"{what} '{name}' is not in the local hub cache and the hub could not be reached "
+            f"({detail}). If this machine is offline, pass a local directory instead."
+        )
+    return FileNotFoundError(
+        f"could not fetch {what} '{name}' from the Hugging Face hub ({detail})"
+    )
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def dtype_for_device(device_type: mx.DeviceType) -> mx.Dtype | None:
+    """float32 on the CPU, where bf16 and quantized matmuls are not BLAS-accelerated;
+    `None` (keep the checkpoint's dtype and quantization) on a GPU, Metal or CUDA."""
+    return None if device_type == mx.gpu else mx.float32
+
+
+def default_dtype() -> mx.Dtype | None:
+    """`dtype_for_device` for the device MLX runs on by default."""
+    return dtype_for_device(mx.default_device().type)
+
+
+def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Dequantize and cast to `dtype`; `None` keeps the checkpoint's dtype and quantization."""
+    if dtype is None:
+        return
+    dequantize_model(model)
+    model.set_dtype(dtype)
