@@ -52,7 +52,7 @@ def running_server(target, draft, log):
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if get(port, "/health")[0] == 200:
-                return proc, port
+                break
         except OSError:
             time.sleep(0.3)
     else:
