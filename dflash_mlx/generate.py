@@ -22,6 +22,7 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlock
+from .distributed import world_group
 from .draft import DFlashDraft
 from .rollback import trim_caches
 from .sampling import Sampler, Verdict, Verifier, make_verifier
@@ -170,14 +171,18 @@ def stream_generate(
     so far (block 1 when drafting does not pay; see `adaptive.py`). The output
     is the same either way, but which random draws a sampled cycle consumes
     depends on its size, so by default it adapts only for greedy decoding with
-    no `block_size` given: a seeded sampled run stays reproducible.
+    no `block_size` given: a seeded sampled run stays reproducible. Under
+    `mlx.launch` it never adapts: every rank must run the same cycles.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
     if adaptive is None:
-        adaptive = block_size is None and temperature == 0 and sampler is None
+        adaptive = block_size is None and temperature == 0 and sampler is None and not lockstep
+    elif adaptive and lockstep:
+        raise ValueError("adaptive block sizes time each rank apart; they cannot run sharded")
     block_size = draft.config.block_size if block_size is None else block_size
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")

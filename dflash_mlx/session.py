@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import init_draft, load_draft
+from .distributed import shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
@@ -61,6 +62,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
 def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, DFlashDraft]:
     """Target, tokenizer and drafter from the flags; `--no-draft` gets a never-called stand-in.
 
+    Under `mlx.launch` the target is sharded over the ranks (tensor parallel),
+    the drafter is whole on every rank, and every rank seeds with rank 0's seed.
+
     With block size 1 the loop never runs the drafter, but its API still takes
     one, so a 1-layer random drafter shaped for the target fills the slot.
     """
@@ -70,9 +74,12 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
         raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    group = world_group()
+    if group is not None:  # same draws on every rank, or their verdicts would differ
+        args.seed = shared_seed(args.seed, group)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, tensor_group=group)
     draft = (
         init_draft(model, num_layers=1)
         if args.no_draft
