@@ -75,16 +75,16 @@ def load_models(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper, 
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     group = world_group()
-    if group is not None:  # same draws on every rank, or their verdicts would differ
-        args.seed = shared_seed(args.seed, group)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
     model, tokenizer = load(args.model, tensor_group=group)
     draft = (
         init_draft(model, num_layers=1)
         if args.no_draft
         else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
+    if group is not None:  # same draws on every rank, or their verdicts would differ
+        args.seed = shared_seed(args.seed, group)
+    if args.seed is not None:  # after loading, which draws random numbers (more when sharding)
+        mx.random.seed(args.seed)
     return model, tokenizer, draft
 
 
