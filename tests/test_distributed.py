@@ -164,3 +164,17 @@ def test_a_killed_rank_ends_the_others_with_an_error(make_pair, tmp_path):
         err = procs[0].stderr.read()
     assert procs[0].returncode == 1, err
     assert err.strip().splitlines()[-1].startswith("dflash-mlx generate: error: rank 0: [ring]")
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "bench"])
+def test_subcommands_without_lockstep_refuse_on_every_rank(make_pair, tmp_path, command):
+    target, draft = make_pair("llama-tied-gqa")
+    argv = [sys.executable, "-m", "dflash_mlx", command, "--model", str(target)]
+    with ranks([*argv, "--draft", str(draft)], tmp_path) as procs:
+        results = outputs(procs)
+    for rc, _, err in results:
+        assert rc == 1
+        assert err.strip() == (
+            f"dflash-mlx {command}: error: '{command}' does not run under mlx.launch yet; use "
+            "'dflash-mlx generate' for a target sharded over several machines"
+        )
