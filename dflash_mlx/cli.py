@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from . import __version__, bench, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
+from .distributed import is_backend_error, refuse_distributed, world_group
 from .gguf import cache_dir
 
 
@@ -64,6 +65,8 @@ def info(_: argparse.Namespace) -> None:
         print(f"{key:<{width}}  {value}")
 
 
+# Subcommands that run under mlx.launch (target sharded over the ranks, run in lockstep).
+SHARDED_COMMANDS = ("generate", "info")
 COMMANDS = {
     "convert": (convert, "convert a drafter to the dflash-mlx layout"),
     "generate": (oneshot, "generate a reply to one prompt"),
@@ -100,9 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
+        if args.command not in SHARDED_COMMANDS:
+            refuse_distributed(args.command)
         args.func(args)
     except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"dflash-mlx {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as exc:
+        if not is_backend_error(exc):
+            raise
+        rank = world_group().rank()
+        print(f"dflash-mlx {args.command}: error: rank {rank}: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -23,6 +23,7 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlock
+from .distributed import world_group
 from .draft import DFlashDraft
 from .rollback import trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
@@ -178,7 +179,8 @@ def stream_generate(
     so far (block 1 when drafting does not pay; see `adaptive.py`). The output
     is the same either way, but which random draws a sampled cycle consumes
     depends on its size, so by default it adapts only for greedy decoding with
-    no `block_size` given: a seeded sampled run stays reproducible.
+    no `block_size` given: a seeded sampled run stays reproducible. Under
+    `mlx.launch` it never adapts: every rank must run the same cycles.
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
@@ -189,8 +191,11 @@ def stream_generate(
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if draft is None and block_size not in (None, 1):
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
+    lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
     if adaptive is None:
-        adaptive = block_size is None and temperature == 0 and sampler is None
+        adaptive = block_size is None and temperature == 0 and sampler is None and not lockstep
+    elif adaptive and lockstep:
+        raise ValueError("adaptive block sizes time each rank apart; they cannot run sharded")
     if block_size is None:
         block_size = draft.config.block_size if draft else 1
     if block_size < 1:

@@ -2,6 +2,8 @@
 
 The reply streams to stdout and the stats go to stderr, so the output can be
 piped; `--json` prints one JSON object with the text and the stats instead.
+Under `mlx.launch` the target is sharded over the ranks and rank 0 alone reads
+the prompt and writes the reply.
 
     echo "Why is the sky blue?" | dflash-mlx generate --model M --draft D
 """
@@ -13,6 +15,7 @@ import json
 import sys
 
 from .chat_format import chat_prompt, has_chat_template
+from .distributed import broadcast_text, is_rank0, world_group
 from .generate import stream_generate
 from .session import (
     ReplyStats,
@@ -45,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    group = world_group()  # under mlx.launch: rank 0 reads the prompt and alone writes
+    prompt = None
+    if is_rank0(group):
+        prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    prompt = broadcast_text(prompt, group)
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     model, tokenizer, draft = load_models(args)
@@ -59,8 +66,10 @@ def run(args: argparse.Namespace) -> None:
     responses = stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args))
     for response in stop_at_strings(responses, args.stop):
         stats.add(response)
-        if not args.json:
+        if not args.json and is_rank0(group):
             print(response.text, end="", flush=True)
+    if not is_rank0(group):
+        return
     if args.json:
         print(json.dumps({"text": stats.text, **stats.as_dict()}))
     else:

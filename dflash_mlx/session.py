@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import load_draft
+from .distributed import shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
@@ -81,6 +82,8 @@ def load_models(
     """Target, tokenizer and drafter from the flags; `--no-draft` gets no drafter (None).
 
     `--seed` seeds after loading, so the seed alone decides the samples.
+    Under `mlx.launch` the target is sharded over the ranks (tensor parallel),
+    the drafter is whole on every rank, and every rank seeds with rank 0's seed.
     """
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
@@ -88,13 +91,16 @@ def load_models(
         raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
-    model, tokenizer = load(args.model)
+    group = world_group()
+    model, tokenizer = load(args.model, tensor_group=group)
     draft = (
         None
         if args.no_draft
         else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
-    if args.seed is not None:
+    if group is not None:  # same draws on every rank, or their verdicts would differ
+        args.seed = shared_seed(args.seed, group)
+    if args.seed is not None:  # after loading, which draws random numbers (more when sharding)
         mx.random.seed(args.seed)
     return model, tokenizer, draft
 

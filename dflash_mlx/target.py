@@ -26,6 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -58,18 +60,25 @@ def rope_overrides(config: dict) -> dict:
 
 
 def load(
-    path_or_repo: str | Path, dtype: mx.Dtype | None = None, **kwargs: Any
+    path_or_repo: str | Path,
+    dtype: mx.Dtype | None = None,
+    tensor_group: mx.distributed.Group | None = None,
+    **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer (local dir or hub id).
 
     `dtype` defaults to float32 on the CPU (quantized weights are dequantized:
     quantized and bf16 matmuls are not BLAS-accelerated there) and to the
     checkpoint's dtype on a GPU (Metal or CUDA). Extra keyword arguments go to `mlx_lm.load`.
+    `tensor_group` (as in mlx-lm's `sharded_load`) shards the target over the
+    group with the model's own `shard()`: each rank keeps its slice of the
+    weights and runs every forward together with the others.
     """
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}
+    sharded = tensor_group is not None and tensor_group.size() > 1
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=model_config, **kwargs)
+        model, tokenizer = mlx_lm_load(str(path), model_config=model_config, lazy=sharded, **kwargs)
     except (FileNotFoundError, ValueError):
         raise
     except Exception as exc:  # the cause stays chained for callers and tracebacks
@@ -77,8 +86,25 @@ def load(
             f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
         ) from exc
     cast_model(model, dtype if dtype is not None else default_dtype())
+    if sharded:
+        shard(model, tensor_group)
     mx.eval(model.parameters())
+    if sharded:  # every rank has its slice before any of them starts a forward
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=tensor_group, stream=mx.cpu))
     return model, tokenizer
+
+
+def shard(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Tensor-parallel `model` over `group` with mlx-lm's `shard()`, or say why it cannot be."""
+    model_type = getattr(model, "model_type", type(model).__name__)
+    if not hasattr(model, "shard"):
+        raise ValueError(f"mlx-lm has no tensor parallelism for model type '{model_type}'")
+    try:
+        model.shard(group)
+    except (AssertionError, ValueError) as exc:
+        raise ValueError(
+            f"cannot shard model type '{model_type}' over {group.size()} ranks: {exc}"
+        ) from None
 
 
 # mlx-lm model modules (the model_type a checkpoint loads into, after mlx-lm's remapping such as
@@ -205,6 +231,14 @@ def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array
     return logits
 
 
+SHARDED_HEADS = (AllToShardedLinear, QuantizedAllToShardedLinear)
+
+
+def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
+    """The full-vocabulary logits of a vocabulary-sharded LM head, on every rank."""
+    return gather_last_axis(head(x), head.group)
+
+
 class TargetAdapter:
     """What the speculative loop needs from an mlx-lm model; families differ only in data."""
 
@@ -218,6 +252,8 @@ class TargetAdapter:
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
         self.head = owner.lm_head if "lm_head" in owner else self.embedding
         self.lm_head = self.head if "lm_head" in owner else self.embedding.as_linear
+        if isinstance(self.head, SHARDED_HEADS):  # each rank holds a slice of the vocabulary
+            self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
 
@@ -229,7 +265,13 @@ class TargetAdapter:
     def draft_head(self, token_ids: list[int] | None) -> Callable[[mx.array], mx.array]:
         """The head the drafter proposes through: the LM head, restricted to `token_ids`
         if given. Build it once per generation: the restriction slices the weights."""
-        return self.lm_head if token_ids is None else restricted_head(self.head, token_ids)
+        if token_ids is None:
+            return self.lm_head
+        if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
+            outside = mx.full((self.vocab_size,), -mx.inf)
+            outside[mx.array(token_ids)] = 0.0
+            return lambda x: self.lm_head(x) + outside
+        return restricted_head(self.head, token_ids)
 
     @property
     def hidden_size(self) -> int:

@@ -136,10 +136,11 @@ FAMILIES = {
 }
 
 
-def build(name: str, seed: int = 0):
-    """The mlx-lm Model for a family, with a larger-than-default init (as helpers.save_target)
-    so the tiny random model has peaked, non-degenerate greedy outputs."""
-    module, fields = FAMILIES[name]
+def build(name: str, seed: int = 0, fields: dict | None = None):
+    """The mlx-lm Model for a family (`fields` replace its ModelArgs), with a larger-than-default
+    init (as helpers.save_target) so the tiny random model has peaked, non-degenerate outputs."""
+    module, default_fields = FAMILIES[name]
+    fields = default_fields if fields is None else fields
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict({"model_type": name, **fields}))
     params = tree_flatten(model.parameters())

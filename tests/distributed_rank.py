@@ -1,0 +1,57 @@
+"""One rank of a test of tensor parallelism, started by test_distributed.py; prints one JSON line.
+
+python distributed_rank.py sample TARGET DRAFT   tokens sampled at temperature 1
+python distributed_rank.py qwen3_5 TOKENIZER_DIR greedy tokens of a tiny qwen3_5 (LM head
+                                                 sharded over the vocabulary), no EOS
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.utils import load_tokenizer  # noqa: E402
+from test_families import GATED_DELTA, PROMPT, build  # noqa: E402
+
+from dflash_mlx import load, load_draft, stream_generate  # noqa: E402
+from dflash_mlx.checkpoint import init_draft  # noqa: E402
+from dflash_mlx.distributed import shared_seed, world_group  # noqa: E402
+from dflash_mlx.target import shard  # noqa: E402
+
+MAX_TOKENS = 24
+QWEN3_5_UNTIED = dict(text_config=dict(GATED_DELTA, tie_word_embeddings=False))
+DRAFT_VOCAB = list(range(0, 320, 3))  # through the vocabulary-sharded head: masked, not sliced
+
+
+def tokens_of(model, draft, tokenizer, prompt, **kwargs) -> list[int]:
+    responses = stream_generate(model, draft, tokenizer, prompt, max_tokens=MAX_TOKENS, **kwargs)
+    return [t for r in responses for t in r.tokens]
+
+
+def main() -> None:
+    group = world_group()
+    mode = sys.argv[1]
+    if mode == "sample":
+        model, tokenizer = load(sys.argv[2], tensor_group=group)
+        draft = load_draft(sys.argv[3])
+        seed = shared_seed(None, group)
+        mx.random.seed(seed)
+        tokens = tokens_of(model, draft, tokenizer, PROMPT, block_size=4, temperature=1.0)
+    else:
+        seed = None
+        model = build("qwen3_5", fields=QWEN3_5_UNTIED)
+        draft = init_draft(model, num_layers=2, block_size=4)
+        draft.config.draft_vocab = DRAFT_VOCAB
+        shard(model, group)
+        tokenizer = load_tokenizer(Path(sys.argv[2]))
+        tokenizer.eos_token_ids = []
+        tokens = tokens_of(model, draft, tokenizer, PROMPT, block_size=4)
+    print(json.dumps({"rank": group.rank(), "seed": seed, "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
