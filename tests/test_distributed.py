@@ -21,7 +21,7 @@ from test_families import PROMPT, build
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.session import chat_prompt
+from dflash_mlx.chat_format import chat_prompt
 
 pytestmark = pytest.mark.slow
 
