@@ -106,7 +106,8 @@ class AdaptiveBlock:
         self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
         self.probes += 1
         i = self.sizes.index(best)  # alternately the next larger and the next smaller size
-        return self.sizes[min(i + 1, len(self.sizes) - 1) if self.probes % 2 else max(i - 1, 0)]
+        up = (self.probes % 2 or i == 0) and i < len(self.sizes) - 1
+        return self.sizes[i + 1 if up else max(i - 1, 0)]
 
     def record(self, block_size: int, committed: int, seconds: float) -> None:
         """One finished cycle: its block size, the tokens it committed and its wall time."""
