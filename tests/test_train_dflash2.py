@@ -197,6 +197,33 @@ def test_resume_refuses_an_other_arch_in_one_line(fresh_work, capsys):
     assert err.strip().endswith(expected) and len(err.splitlines()) == 1, err
 
 
+def test_init_from_a_dflash1_drafter_trains_it_as_dflash2_and_a_dflash2_one_keeps_its_shape(
+    fresh_work, target_dir, capsys
+):
+    work, common = fresh_work
+    config = helpers.read_config(target_dir)
+    v1 = helpers.save_draft(work / "v1", config, layers=1, target_layer_ids=TAPS, block_size=6)
+    v2 = helpers.save_draft(
+        work / "v2", config, layers=1, target_layer_ids=TAPS, block_size=6, dflash2=helpers.DFLASH2
+    )
+    fit = ["fit", *common, "--work", str(work), "--layers", "1", "--steps", "1"]
+    for argv, message in [
+        ([str(v2), "--arch", "dflash1"], f"{v2} is a dflash2 drafter, not --arch dflash1"),
+        (
+            [str(v2), "--arch", "dflash2", "--selector-rank", "4"],
+            f"{v2} already has its DFlash 2 shape: drop the shape flags",
+        ),
+    ]:
+        with pytest.raises(SystemExit):
+            train_cli(*fit, "--init-from", *argv)
+        err = capsys.readouterr().err
+        assert err.strip().endswith(message) and len(err.splitlines()) == 1, err
+
+    train_cli(*fit, "--init-from", str(v1), "--arch", "dflash2", *SHAPE, "--save-every", "1")
+    draft, _ = checkpoint_draft(work / "ckpt")
+    assert draft.config.is_dflash2 and draft.candidate_selector.top_k == 8
+
+
 def test_selector_loss_is_the_cross_entropy_over_the_candidates_given_the_true_predecessor():
     """Candidates: the top-K of the logits (a label outside them replaces the weakest, in the
     loss only); score: unary + <A[true predecessor] * W h, B[candidate]>; a hit needs the
@@ -328,3 +355,19 @@ def test_the_selector_learns_transitions_the_unary_logits_cannot_see(tiny):
     trained, argmax = scores()
     assert untrained < 0.4 and argmax < 0.4, (untrained, argmax)
     assert trained > 0.8, (untrained, trained, argmax)
+
+    # Teacher-forced hits are what the selector's walk gets right at inference: from each
+    # anchor, the accepted prefix of `propose` (top-K over the whole vocabulary, walk from the
+    # anchor) equals the run of hits.
+    seq, anchors = held_out[0]
+    _, hits, _ = trainer.block_hits([(seq, anchors[:20])])
+    greedy = make_verifier().propose
+    accepted = []
+    for a in anchors[:20]:
+        cache = trainer.draft.make_cache()
+        trainer.draft.append_context(seq.features[None, :a], cache)
+        block = mx.array([int(seq.ids[a])] + [trainer.draft.config.mask_token_id] * 5)
+        tokens, _ = trainer.draft.propose(block, target.embed_tokens, target.lm_head, cache, greedy)
+        accepted.append(int(np.cumprod(np.array(tokens) == seq.ids[a + 1 : a + 6]).sum()))
+    assert accepted == np.cumprod(hits, axis=1).sum(1).tolist()
+    assert max(accepted) >= 2
