@@ -191,7 +191,7 @@ def test_resume_refuses_an_other_arch_in_one_line(fresh_work, capsys):
         train_cli(*args, "--arch", "dflash2", "--steps", "2")
     err = capsys.readouterr().err
     expected = (
-        "holds a dflash1 drafter, not --arch dflash2: resume without --arch, "
+        "holds a dflash1 drafter, not --arch dflash2: resume without that flag, "
         "or move ckpt/ away to start over"
     )
     assert err.strip().endswith(expected) and len(err.splitlines()) == 1, err
@@ -208,10 +208,10 @@ def test_init_from_a_dflash1_drafter_trains_it_as_dflash2_and_a_dflash2_one_keep
     )
     fit = ["fit", *common, "--work", str(work), "--layers", "1", "--steps", "1"]
     for argv, message in [
-        ([str(v2), "--arch", "dflash1"], f"{v2} is a dflash2 drafter, not --arch dflash1"),
+        ([str(v2), "--arch", "dflash1"], f"{v2} holds a dflash2 drafter, not --arch dflash1"),
         (
             [str(v2), "--arch", "dflash2", "--selector-rank", "4"],
-            f"{v2} already has its DFlash 2 shape: drop the shape flags",
+            f"{v2} holds a drafter with selector-rank 8, not --selector-rank 4",
         ),
     ]:
         with pytest.raises(SystemExit):

@@ -14,6 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..draft import DFlashDraft
+    from .trainer import DFlash2Shape
 
 DEFAULT_TAPS = "1,8,14,20,27"
 DFLASH2_FLAGS = {
@@ -131,7 +136,7 @@ def load_target(args: argparse.Namespace):
     return load(args.model or smollm2_model_dir())
 
 
-def dflash2_shape(args: argparse.Namespace):
+def dflash2_shape(args: argparse.Namespace) -> DFlash2Shape | None:
     """The `DFlash2Shape` that `--arch dflash2` and its flags ask for; None for DFlash 1."""
     from .trainer import DFlash2Shape
 
@@ -144,8 +149,22 @@ def dflash2_shape(args: argparse.Namespace):
     return DFlash2Shape(**{f: getattr(args, f) for f in DFLASH2_FLAGS if f in given})
 
 
-def arch_of(draft) -> str:
+def arch_of(draft: DFlashDraft) -> str:
     return "dflash2" if draft.config.is_dflash2 else "dflash1"
+
+
+def check_arch(draft: DFlashDraft, args: argparse.Namespace, source: str, hint: str = "") -> None:
+    """`--arch` and the DFlash 2 shape flags, where given, must match the drafter that
+    `source` holds (a checkpoint to resume, a DFlash 2 drafter to start from)."""
+    if args.arch and args.arch != arch_of(draft):
+        raise ValueError(f"{source} holds a {arch_of(draft)} drafter, not --arch {args.arch}{hint}")
+    for field in DFLASH2_FLAGS:
+        wanted, held = getattr(args, field), getattr(draft.config, field)
+        if wanted is not None and wanted != held:
+            flag = field.replace("_", "-")
+            raise ValueError(
+                f"{source} holds a drafter with {flag} {held}, not --{flag} {wanted}{hint}"
+            )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -185,7 +204,6 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     from .features import cached_records, load_features
     from .prompts import build_prompts
     from .trainer import (
-        DFlash2Shape,
         Sequence,
         TrainConfig,
         Trainer,
@@ -233,22 +251,16 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     ckpt = work / "ckpt"
     if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
         draft, _ = checkpoint_draft(ckpt)
-        if args.arch and args.arch != arch_of(draft):
-            raise ValueError(
-                f"{ckpt} holds a {arch_of(draft)} drafter, not --arch {args.arch}: resume "
-                "without --arch, or move ckpt/ away to start over"
-            )
+        check_arch(
+            draft, args, str(ckpt), ": resume without that flag, or move ckpt/ away to start over"
+        )
     elif args.init_from:
         from ..checkpoint import load_draft
 
         source = load_draft(args.init_from, dtype=mx.float32)
-        if arch_of(source) == "dflash2" and args.arch not in (None, "dflash2"):
-            raise ValueError(f"{args.init_from} is a dflash2 drafter, not --arch {args.arch}")
-        if arch_of(source) == "dflash2" and shape not in (None, DFlash2Shape()):
-            raise ValueError(
-                f"{args.init_from} already has its DFlash 2 shape: drop the shape flags"
-            )
-        draft = grow_draft(source, args.layers, shape if arch_of(source) == "dflash1" else None)
+        if source.config.is_dflash2:
+            check_arch(source, args, args.init_from)
+        draft = grow_draft(source, args.layers, None if source.config.is_dflash2 else shape)
         if draft.config.target_layer_ids != taps:
             raise ValueError(
                 f"{args.init_from} taps target layers {draft.config.target_layer_ids}, "
