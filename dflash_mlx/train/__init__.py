@@ -14,8 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..draft import DFlashDraft
+    from .trainer import DFlash2Shape
 
 DEFAULT_TAPS = "1,8,14,20,27"
+DFLASH2_FLAGS = {
+    "conv_kernel_size": "taps of each in-block convolution",
+    "conv_group_size": "channels sharing one dynamic kernel correction",
+    "selector_top_k": "candidates per block position the selector chooses among",
+    "selector_rank": "rank of the selector's codebooks",
+    "sliding_window": "make every layer a sliding-window layer of this width",
+}
 
 
 def default_work_dir(name: str) -> Path:
@@ -56,6 +68,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "shipped drafter): fresh AdamW moments at 1e-3 undid what it had learned",
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--arch",
+        choices=("dflash1", "dflash2"),
+        default=None,
+        help="dflash1 (default; with --init-from: that drafter's) or dflash2: convolutions "
+        "around every sublayer and a candidate selector, trained with a selector loss",
+    )
+    from .trainer import DFlash2Shape, TrainConfig
+
+    for field, text in DFLASH2_FLAGS.items():
+        default = getattr(DFlash2Shape(), field)
+        p.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=int,
+            default=None,
+            help=f"{text} (dflash2; default {'off' if default is None else default})",
+        )
+    p.add_argument(
+        "--selector-weight",
+        type=float,
+        default=None,
+        help="weight of the selector loss next to the token loss (dflash2; default "
+        f"{TrainConfig.selector_weight})",
+    )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seqs-per-step", type=int, default=2)
     p.add_argument("--blocks-per-seq", type=int, default=32)
@@ -100,6 +136,37 @@ def load_target(args: argparse.Namespace):
     return load(args.model or smollm2_model_dir())
 
 
+def dflash2_shape(args: argparse.Namespace) -> DFlash2Shape | None:
+    """The `DFlash2Shape` that `--arch dflash2` and its flags ask for; None for DFlash 1."""
+    from .trainer import DFlash2Shape
+
+    given = [f for f in [*DFLASH2_FLAGS, "selector_weight"] if getattr(args, f) is not None]
+    if args.arch != "dflash2":
+        if given:
+            flag = given[0].replace("_", "-")
+            raise ValueError(f"--{flag} is a DFlash 2 setting: add --arch dflash2")
+        return None
+    return DFlash2Shape(**{f: getattr(args, f) for f in DFLASH2_FLAGS if f in given})
+
+
+def arch_of(draft: DFlashDraft) -> str:
+    return "dflash2" if draft.config.is_dflash2 else "dflash1"
+
+
+def check_arch(draft: DFlashDraft, args: argparse.Namespace, source: str, hint: str = "") -> None:
+    """`--arch` and the DFlash 2 shape flags, where given, must match the drafter that
+    `source` holds (a checkpoint to resume, a DFlash 2 drafter to start from)."""
+    if args.arch and args.arch != arch_of(draft):
+        raise ValueError(f"{source} holds a {arch_of(draft)} drafter, not --arch {args.arch}{hint}")
+    for field in DFLASH2_FLAGS:
+        wanted, held = getattr(args, field), getattr(draft.config, field)
+        if wanted is not None and wanted != held:
+            flag = field.replace("_", "-")
+            raise ValueError(
+                f"{source} holds a drafter with {flag} {held}, not --{flag} {wanted}{hint}"
+            )
+
+
 def run(args: argparse.Namespace) -> None:
     work = work_dir(args)
     {"data": run_data, "features": run_features, "fit": run_fit, "export": run_export}[args.stage](
@@ -140,6 +207,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         Sequence,
         TrainConfig,
         Trainer,
+        checkpoint_draft,
         decode_tau,
         fit,
         grow_draft,
@@ -147,6 +215,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         scale_fc_to_features,
     )
 
+    shape = dflash2_shape(args)
     model, tokenizer = load_target(args)
     taps = json.loads((work / "features" / "meta.json").read_text())["target_layer_ids"]
     records = read_records(work / "replies.jsonl")
@@ -172,23 +241,39 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         clip=args.clip,
         gamma=args.gamma,
         soft_weight=args.soft_weight,
+        selector_weight=(
+            TrainConfig.selector_weight if args.selector_weight is None else args.selector_weight
+        ),
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every,
     )
     ckpt = work / "ckpt"
-    if args.init_from and not ckpt.exists():
+    if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
+        draft, _ = checkpoint_draft(ckpt)
+        check_arch(
+            draft, args, str(ckpt), ": resume without that flag, or move ckpt/ away to start over"
+        )
+    elif args.init_from:
         from ..checkpoint import load_draft
 
-        draft = grow_draft(load_draft(args.init_from, dtype=mx.float32), args.layers)
+        source = load_draft(args.init_from, dtype=mx.float32)
+        if source.config.is_dflash2:
+            check_arch(source, args, args.init_from)
+        draft = grow_draft(source, args.layers, None if source.config.is_dflash2 else shape)
         if draft.config.target_layer_ids != taps:
             raise ValueError(
                 f"{args.init_from} taps target layers {draft.config.target_layer_ids}, "
                 f"the cached features are of layers {taps}"
             )
-        print(f"starting from {args.init_from} ({draft.config.num_hidden_layers} layers)")
+        print(
+            f"starting from {args.init_from} ({arch_of(source)}, "
+            f"{draft.config.num_hidden_layers} layers, now {arch_of(draft)})"
+        )
     else:
-        draft = make_draft(model, args.layers, taps, args.block_size, args.init_layers, args.seed)
+        draft = make_draft(
+            model, args.layers, taps, args.block_size, args.init_layers, args.seed, dflash2=shape
+        )
     trainer = Trainer(model, draft, cfg, vocab)
     if ckpt.exists():
         trainer.load(ckpt)
@@ -207,17 +292,11 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
 
 
 def run_export(args: argparse.Namespace, work: Path) -> None:
-    import mlx.core as mx
-
-    from ..draft import DFlashConfig, DFlashDraft
     from .export import export_converted, export_published
+    from .trainer import checkpoint_draft
 
-    ckpt = work / "ckpt"
-    state = json.loads((ckpt / "state.json").read_text())
-    draft = DFlashDraft(DFlashConfig.from_dict(state["draft"]))
-    draft.load_weights(str(ckpt / "draft.safetensors"))
-    mx.eval(draft.parameters())
-    card = Path(args.card).read_text() if args.card else f"# DFlash drafter, step {state['step']}\n"
+    draft, step = checkpoint_draft(work / "ckpt")
+    card = Path(args.card).read_text() if args.card else f"# DFlash drafter, step {step}\n"
     if args.draft_vocab:
         from mlx_lm.utils import load_tokenizer
 

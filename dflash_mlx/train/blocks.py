@@ -17,7 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..draft import BlockContext, DFlashDraft
+from ..draft import BlockContext, CandidateSelector, DFlashDraft
 
 
 def sample_anchors(
@@ -74,21 +74,20 @@ def block_hidden(
 
 
 def block_loss(
-    hidden: mx.array,
-    lm_head: Callable[[mx.array], mx.array],
+    logits: mx.array,
     labels: mx.array,
     weights: mx.array,
     soft: tuple[mx.array, mx.array] | None = None,
     soft_weight: float = 0.5,
 ) -> tuple[mx.array, mx.array]:
-    """Weighted cross-entropy sum over the mask positions, and the per-label hits (N, B-1).
+    """Weighted cross-entropy sum over the mask positions' `logits` (N, B-1, vocab), and the
+    per-label hits (N, B-1) of their argmax.
 
     `soft` = (ids, probs), each (N, B-1, K): the target's own top-K next-token
     distribution at each label's position; the loss then mixes the hard-label
     cross-entropy with the cross-entropy against it (`soft_weight`), which
     says how close the runners-up were, not just which token won.
     """
-    logits = lm_head(hidden[:, 1:])
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     ce = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if soft is not None:
@@ -96,6 +95,53 @@ def block_loss(
         soft_ce = -(mx.take_along_axis(logp, ids, axis=-1) * probs).sum(-1)
         ce = (1 - soft_weight) * ce + soft_weight * soft_ce
     hits = mx.stop_gradient(mx.argmax(logits, axis=-1) == labels)
+    return (ce * weights).sum(), hits
+
+
+def block_predecessors(ids: np.ndarray, anchors: np.ndarray, block_size: int) -> np.ndarray:
+    """The true token before each label (N, B-1): the anchor, then labels 1..B-2."""
+    pos = anchors[:, None] + np.arange(block_size - 1)[None]
+    return ids[np.minimum(pos, len(ids) - 1)]
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: mx.array,
+    logits: mx.array,
+    predecessors: mx.array,
+    labels: mx.array,
+    weights: mx.array,
+    vocab: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """DFlash 2's path-selector loss, teacher-forced: the weighted CE sum and the hits (N, B-1).
+
+    At each mask position the candidates are the top-K of the drafter's `logits`
+    (rows of the loss vocabulary; `vocab` maps them to token ids) and candidate
+    b scores `U_t(b) + <A[a] * (W h_t), B[b]>` with a the TRUE previous token
+    (`predecessors`): the decoding walk scores it so whenever every earlier
+    choice was right, the only case in which a later choice can be accepted.
+    The loss is the cross-entropy of the label among the K scores, so it trains
+    exactly the comparison the walk makes. A label outside the top-K replaces
+    the weakest candidate in the loss only (as SpecForge #772 and vLLM
+    speculators #1006 do; NeMo's trainer drops such positions instead): the loss
+    is then defined at every labelled position with the token loss's weights, so
+    it is comparable from step to step (dropping them, it rises as the drafter
+    brings harder labels into the top-K), and it lifts the label's own logit.
+    A hit keeps the serving rule: the label is a real candidate and the walk,
+    given the true prefix, picks it, which is what decoding accepts.
+    """
+    k = min(selector.top_k, logits.shape[-1])
+    candidates = mx.argpartition(mx.stop_gradient(logits), -k, axis=-1)[..., -k:]
+    present = (candidates == labels[..., None]).any(axis=-1)
+    weakest = mx.arange(k) == 0  # argpartition puts the K-th largest first
+    candidates = mx.where(present[..., None] | ~weakest, candidates, labels[..., None])
+    unary = mx.take_along_axis(logits, candidates, axis=-1)
+    context = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)
+    successors = selector.successor_codebook[vocab[candidates]]
+    scores = unary + (successors @ context[..., None])[..., 0]
+    target = mx.argmax(candidates == labels[..., None], axis=-1, keepdims=True)
+    ce = mx.logsumexp(scores, axis=-1) - mx.take_along_axis(scores, target, axis=-1)[..., 0]
+    hits = mx.stop_gradient(present & (mx.argmax(scores, axis=-1) == target[..., 0]))
     return (ce * weights).sum(), hits
 
 
