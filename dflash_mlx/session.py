@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import load_draft
-from .distributed import shared_seed, world_group
+from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
@@ -74,6 +74,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         penalties.add_argument(
             f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
         )
+    add_rank_timeout_argument(parser)
+
+
+def add_rank_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--rank-timeout`, for the subcommands that run under `mlx.launch`."""
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=DEFAULT_RANK_TIMEOUT,
+        help="under mlx.launch: end every rank when a generation makes no progress for this "
+        f"many seconds, e.g. a peer that hangs (default {DEFAULT_RANK_TIMEOUT:g}; 0: never)",
+    )
 
 
 def load_models(
