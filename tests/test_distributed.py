@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED
+from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, tapped_features
 from helpers import reference_greedy, set_eos
 from openai import OpenAI
 from test_families import PROMPT, build
@@ -232,14 +232,20 @@ def test_seeded_sampling_draws_the_same_tokens_on_every_rank(make_pair, loaded, 
     assert [t for r in responses for t in r.tokens] == replies[0]["tokens"]
 
 
-def test_qwen3_5_with_a_vocabulary_sharded_head_equals_mlx_lm_greedy(make_pair, tmp_path):
+@pytest.mark.parametrize("mode", ["qwen3_5", "pipeline"])
+def test_qwen3_5_tensor_or_pipeline_parallel_equals_mlx_lm_greedy(make_pair, tmp_path, mode):
+    """Tensor parallel with a vocabulary-sharded head; pipeline parallel with the drafter's
+    tapped layers (and recurrent caches to roll back) on different ranks."""
     target, _ = make_pair("llama-tied-gqa")  # for its tokenizer
-    expected = reference_greedy(build("qwen3_5", fields=QWEN3_5_UNTIED), PROMPT, MAX_TOKENS, set())
-    with ranks([sys.executable, str(RANK_SCRIPT), "qwen3_5", str(target)], tmp_path) as p:
+    model = build("qwen3_5", fields=QWEN3_5_UNTIED)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS, set())
+    with ranks([sys.executable, str(RANK_SCRIPT), mode, str(target)], tmp_path) as p:
         results = outputs(p)
     assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
     for _, out, _ in results:
         assert json.loads(out)["tokens"] == expected
+        if mode == "pipeline":  # the drafter's input, gathered from both ranks, is one process's
+            assert json.loads(out)["features"] == pytest.approx(tapped_features(model), rel=1e-4)
 
 
 HUNG = "no progress for 30 s: a peer stopped responding (--rank-timeout)"
@@ -276,13 +282,26 @@ def test_a_killed_or_hung_rank_ends_the_others_with_an_error(make_pair, tmp_path
         assert waited >= 30  # the watchdog's timeout, not a lost connection
 
 
-def test_subcommands_without_lockstep_refuse_on_every_rank(tmp_path):
-    argv = [sys.executable, "-m", "dflash_mlx", "convert", "in", "--out", "out"]
-    with ranks(argv, tmp_path) as procs:
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (
+            ["convert", "in", "--out", "out"],
+            "'convert' does not run under mlx.launch; generate, chat, serve and bench do",
+        ),
+        (
+            ["generate", "--pipeline", "-p", "hi", "--no-draft", "--model", "TARGET"],
+            "mlx-lm has no pipeline parallelism for model type 'llama'; shard it tensor "
+            "parallel instead (without --pipeline)",
+        ),
+    ],
+    ids=["convert", "pipeline-llama"],
+)
+def test_what_cannot_run_sharded_is_refused_on_every_rank(make_pair, tmp_path, argv, error):
+    target = str(make_pair("llama-tied-gqa")[0])
+    command = [sys.executable, "-m", "dflash_mlx", *(target if a == "TARGET" else a for a in argv)]
+    with ranks(command, tmp_path) as procs:
         results = outputs(procs)
     for rc, _, err in results:
         assert rc == 1
-        assert err.strip() == (
-            "dflash-mlx convert: error: 'convert' does not run under mlx.launch; "
-            "generate, chat, serve and bench do"
-        )
+        assert err.strip() == f"dflash-mlx {argv[0]}: error: {error}"
