@@ -316,7 +316,7 @@ class Worker:
                     if job.top_logprobs is not None:
                         entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
                     put((response, entries))
-                    if stop.is_set():
+                    if stop.is_set() and response.finish_reason is None:
                         log.info("client gone: stopped after %d tokens", response.generation_tokens)
             finally:
                 responses.close()

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, tapped_features
 from helpers import reference_greedy, set_eos
-from openai import OpenAI
+from openai import APIConnectionError, InternalServerError, OpenAI
 from test_families import PROMPT, build
 
 import dflash_mlx
@@ -181,6 +181,24 @@ def test_mlx_launch_bench_runs_in_lockstep_and_rank_0_alone_reports(make_pair, l
     assert out.count("Per prompt") == 1 and err.count("wrote bench.json") == 1, err
 
 
+def openai_client(port: int) -> OpenAI:
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+    )
+
+
+def when_up(call, procs):
+    """`call()`, once rank 0's server answers: it opens its port when every rank has loaded."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return call()
+        except APIConnectionError:
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise
+            time.sleep(1)
+
+
 def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
     make_pair, loaded, tmp_path
 ):
@@ -191,19 +209,8 @@ def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
     port = free_ports(1)[0]
     argv = [sys.executable, "-m", "dflash_mlx", "serve", "--block-size", "4", "--port", str(port)]
     with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 12)], tmp_path) as procs:
-        url = f"http://127.0.0.1:{port}/v1"
-        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=TIMEOUT)
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # the port opens once every rank has loaded
-            try:
-                reply = client.chat.completions.create(
-                    model="m", messages=messages, timeout=TIMEOUT
-                )
-                break
-            except Exception:
-                if time.monotonic() > deadline or procs[0].poll() is not None:
-                    raise
-                time.sleep(1)
+        client = openai_client(port)
+        reply = when_up(lambda: client.chat.completions.create(model="m", messages=messages), procs)
         again = client.completions.create(model="m", prompt=text, max_tokens=5, stop=["zzz"])
         procs[0].send_signal(signal.SIGTERM)  # shut the server down: the other rank is released
         results = outputs(procs)
@@ -213,6 +220,21 @@ def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
     assert statuses == [-signal.SIGTERM, 0], [err for _, _, err in results]
     assert "Finished server process" in results[0][2]
     assert results[1][1] == "" and "Uvicorn running" not in results[1][2]
+
+
+def test_serve_ends_with_an_error_when_a_rank_died_between_requests(make_pair, tmp_path):
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "dflash_mlx", "serve", "--port", str(port)]
+    with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 4)], tmp_path) as procs:
+        client = openai_client(port)
+        when_up(client.models.list, procs)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        with pytest.raises((APIConnectionError, InternalServerError)):  # 500, or the server gone
+            client.completions.create(model="m", prompt="hello")
+        rc, _, err = outputs(procs[:1])[0]
+    assert rc == 1, err
+    assert err.strip().splitlines()[-1].startswith("dflash-mlx serve: error: rank 0: [ring]")
 
 
 def test_seeded_sampling_draws_the_same_tokens_on_every_rank(make_pair, loaded, tmp_path):
@@ -294,8 +316,12 @@ def test_a_killed_or_hung_rank_ends_the_others_with_an_error(make_pair, tmp_path
             "mlx-lm has no pipeline parallelism for model type 'llama'; shard it tensor "
             "parallel instead (without --pipeline)",
         ),
+        (
+            ["bench", "--prompts", "missing.json", "--model", "TARGET"],
+            "[Errno 2] No such file or directory: 'missing.json'",  # rank 0's, on every rank
+        ),
     ],
-    ids=["convert", "pipeline-llama"],
+    ids=["convert", "pipeline-llama", "bench-prompts"],
 )
 def test_what_cannot_run_sharded_is_refused_on_every_rank(make_pair, tmp_path, argv, error):
     target = str(make_pair("llama-tied-gqa")[0])
