@@ -10,7 +10,9 @@ drafter, the target model and its caches get per-instance timing subclasses for
 that pass only, which force evaluation inside each timed call. Forcing
 serialises MLX's lazy pipeline, so that pass only splits a cycle; its
 throughput is not reported. Without `--draft` the drafter is randomly
-initialised: its acceptance is meaningless, its costs are real.
+initialised (from `--seed`): its acceptance is meaningless, its costs are real.
+Under `mlx.launch` every rank runs the whole benchmark on the sharded target in
+lockstep (rank 0's prompts); rank 0 alone prints and writes the results.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
+from .distributed import Lockstep, share, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import (
     GenerationResponse,
@@ -46,6 +49,7 @@ from .generate import (
     stream_generate,
 )
 from .sampling import RULES
+from .session import add_rank_timeout_argument
 from .target import load
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
@@ -522,6 +526,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-window", type=int, help="drafter attends to the last N context positions only"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_rank_timeout_argument(parser)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
     parser.add_argument("--plot", default=None, help="PNG plot file (default: --out as .png)")
 
@@ -531,16 +536,18 @@ def run(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    prompts = load_prompts(args.prompts or PROMPTS_FILE)[: args.limit]
+    group = world_group()  # under mlx.launch: rank 0 reads the prompts and alone writes
+    prompts = share(lambda: load_prompts(args.prompts or PROMPTS_FILE)[: args.limit], group)
     if args.model is None:
         from .gguf import smollm2_model_dir
 
         args.model = str(smollm2_model_dir())
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, tensor_group=group)
     if args.draft:
         draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
         draft_label = args.draft
     else:
+        mx.random.seed(args.seed)  # the same drafter on every rank
         draft = init_draft(
             model,
             num_layers=args.draft_layers,
@@ -549,24 +556,32 @@ def run(args: argparse.Namespace) -> None:
             context_window=args.draft_window,
         )
         draft_label = f"random drafter ({args.draft_layers} layers)"
-    print(f"bench: {len(prompts)} prompts, target {args.model}, {draft_label}", file=sys.stderr)
-    results = bench(
-        model,
-        tokenizer,
-        draft,
-        prompts,
-        block_size=args.block_size,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        repeat=args.repeat,
-        baseline=not args.no_baseline,
-        split=not args.no_split,
-        chat=not args.no_chat_template,
-        seed=args.seed,
-        adaptive=args.adaptive,
-        acceptance_rule=args.acceptance,
-        log=lambda msg: print(msg, file=sys.stderr),
-    )
+    lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx bench")
+
+    def log(message: str) -> None:  # once per prompt: progress for the watchdog
+        lockstep.beat()
+        if lockstep.leader:
+            print(message, file=sys.stderr)
+
+    log(f"bench: {len(prompts)} prompts, target {args.model}, {draft_label}")
+    with lockstep.watched():
+        results = bench(
+            model,
+            tokenizer,
+            draft,
+            prompts,
+            block_size=args.block_size,
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            repeat=args.repeat,
+            baseline=not args.no_baseline,
+            split=not args.no_split,
+            chat=not args.no_chat_template,
+            seed=args.seed,
+            adaptive=args.adaptive,
+            acceptance_rule=args.acceptance,
+            log=log,
+        )
     results = {
         "config": {
             "model": args.model,
@@ -591,6 +606,8 @@ def run(args: argparse.Namespace) -> None:
         "note": NOTE,
         **results,
     }
+    if not lockstep.leader:
+        return
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     report(results)
     png = args.plot or str(Path(args.out).with_suffix(".png"))

@@ -16,9 +16,11 @@ import os
 import select
 import signal
 import sys
+from collections.abc import Callable, Iterator
 
 from .chat_format import chat_prompt
-from .generate import encode_prompt, make_prompt_cache, stream_generate
+from .distributed import Lockstep, world_group
+from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
 from .session import (
     ReplyStats,
     add_model_arguments,
@@ -37,7 +39,11 @@ Ctrl-C stops the current answer and keeps the conversation."""
 
 
 class Chat:
-    """A conversation: its messages, the caches holding them, and per-turn stats."""
+    """A conversation: its messages, the caches holding them, and per-turn stats.
+
+    Under `mlx.launch` rank 0 holds the conversation and sends each turn's
+    prompt ids to the other ranks, which run `reply` with it in lockstep.
+    """
 
     def __init__(
         self,
@@ -48,17 +54,44 @@ class Chat:
         system: str | None,
         reuse: bool,
         template_kwargs: dict | None = None,
+        lockstep: Lockstep | None = None,
     ):
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.kwargs, self.system, self.reuse = kwargs, system, reuse
         self.template_kwargs = template_kwargs or {}
+        self.lockstep = lockstep or Lockstep(None, 0, "chat")
         self.max_context = TargetAdapter(model).max_context
+        self.cache = make_prompt_cache(model, draft)
         self.reset()
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.cache = make_prompt_cache(self.model, self.draft)
+        self.fresh_cache = True  # made by the next reply, on every rank
         self.turns: list[ReplyStats] = []
+
+    def reply(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        fresh_cache: bool,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> tuple[int, Iterator[GenerationResponse]]:
+        """The tokens to prefill and the responses to `prompt` (the whole conversation);
+        what every rank runs for a turn."""
+        if fresh_cache:
+            self.cache = make_prompt_cache(self.model, self.draft)
+        new = len(prompt) - self.cache.reuse(prompt)
+        kwargs = {**self.kwargs, "max_tokens": max_tokens}
+        responses = stream_generate(
+            self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
+        )
+        return new, self.lockstep.steps(responses, stop)
+
+    def follow(self) -> None:
+        """Ranks but 0: run rank 0's turns until it ends the chat."""
+        for turn in self.lockstep.units():
+            for _ in self.reply(**turn)[1]:
+                pass
 
     def ask(self, text: str) -> None:
         """Stream the answer to `text` to stdout, then its stats line."""
@@ -73,10 +106,12 @@ class Chat:
                 f"{self.max_context}: /reset to start a new one]"
             )
             return
-        if not self.reuse:
-            self.cache = make_prompt_cache(self.model, self.draft)
-        new = len(prompt) - self.cache.reuse(prompt)
-        kwargs = {**self.kwargs, "max_tokens": min(self.kwargs["max_tokens"], room)}
+        turn = {
+            "prompt": prompt,
+            "max_tokens": min(self.kwargs["max_tokens"], room),
+            "fresh_cache": self.fresh_cache or not self.reuse,
+        }
+        self.fresh_cache = False
         stats = ReplyStats()
         stop = []
 
@@ -85,18 +120,17 @@ class Chat:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
         previous = signal.signal(signal.SIGINT, interrupt)
-        responses = stream_generate(
-            self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
-        )
+        self.lockstep.send(turn)
+        new, responses = self.reply(**turn, stop=lambda: bool(stop))
         try:
             for response in responses:
                 stats.add(response)
                 print(response.text, end="", flush=True)
-                if stop:
-                    break
         except KeyboardInterrupt:
+            if self.lockstep.group is not None:
+                raise  # the other ranks are mid-cycle: only ending every rank is safe
             stop.append(True)
-            self.cache = make_prompt_cache(self.model, self.draft)  # stopped mid-cycle
+            self.fresh_cache = True  # stopped mid-cycle
         finally:
             responses.close()
             signal.signal(signal.SIGINT, previous)
@@ -115,7 +149,7 @@ class Chat:
             f"[{len(self.turns)} turns, {len(self.messages)} messages, {tokens} tokens generated, "
             f"τ {committed / cycles if cycles else 0:.2f}, "
             f"{accepted / proposed if proposed else 0:.0%} accepted, "
-            f"{len(self.cache.tokens)} tokens cached]"
+            f"{0 if self.fresh_cache else len(self.cache.tokens)} tokens cached]"
         )
 
 
@@ -163,6 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     model, tokenizer, draft = load_models(args)
+    lockstep = Lockstep(world_group(), args.rank_timeout, "dflash-mlx chat")
     chat = Chat(
         model,
         tokenizer,
@@ -171,9 +206,20 @@ def run(args: argparse.Namespace) -> None:
         args.system,
         not args.no_prompt_cache,
         args.chat_template_config,
+        lockstep,
     )
+    if not lockstep.leader:
+        chat.follow()
+        return
     chat_prompt(tokenizer, [{"role": "user", "content": "check"}])  # fail or warn now, not later
-    print("dflash-mlx chat: /help for commands, Ctrl-D to exit", flush=True)
+    end = "/quit" if lockstep.group else "Ctrl-D"  # mlx.launch never passes on an end of input
+    print(f"dflash-mlx chat: /help for commands, {end} to exit", flush=True)
+    converse(chat)
+    lockstep.send(None)  # the end: the other ranks exit too
+
+
+def converse(chat: Chat) -> None:
+    """The REPL: read lines until Ctrl-D or /quit, answering or running commands."""
     while True:
         try:
             line = read_line(">> ").strip()

@@ -66,7 +66,7 @@ def info(_: argparse.Namespace) -> None:
 
 
 # Subcommands that run under mlx.launch (target sharded over the ranks, run in lockstep).
-SHARDED_COMMANDS = ("generate", "info")
+SHARDED_COMMANDS = ("generate", "chat", "serve", "bench", "info")
 COMMANDS = {
     "convert": (convert, "convert a drafter to the dflash-mlx layout"),
     "generate": (oneshot, "generate a reply to one prompt"),

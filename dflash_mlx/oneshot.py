@@ -15,7 +15,7 @@ import json
 import sys
 
 from .chat_format import chat_prompt, has_chat_template
-from .distributed import broadcast_text, is_rank0, world_group
+from .distributed import Lockstep, broadcast_text, is_rank0, world_group
 from .generate import stream_generate
 from .session import (
     ReplyStats,
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--system needs the model's chat template")
     stats = ReplyStats()
     responses = stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args))
-    for response in stop_at_strings(responses, args.stop):
+    lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
+    for response in lockstep.steps(stop_at_strings(responses, args.stop)):
         stats.add(response)
         if not args.json and is_rank0(group):
             print(response.text, end="", flush=True)

@@ -14,6 +14,10 @@ disconnects, streaming or not, sets its job's stop flag, which the worker
 checks after every verify cycle before moving on to the next request. Chat
 templates are rendered and prompts tokenized on a thread of their own, so a
 long prompt does not stall the event loop (and every open stream with it).
+
+Under `mlx.launch` rank 0 serves HTTP; its worker sends each job (prompt ids
+and settings) to the other ranks, which run it in lockstep and discard the
+output, so requests are still generated one at a time.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
 
 import mlx.core as mx
@@ -49,6 +54,7 @@ from pydantic import (
 from starlette.background import BackgroundTask
 
 from .chat_format import chat_prompt
+from .distributed import Lockstep, abort, is_backend_error, world_group
 from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
 from .session import (
     DEFAULT_MAX_QUEUE,
@@ -243,9 +249,11 @@ class Worker:
         template_kwargs: dict[str, Any] | None = None,
         processor_settings: dict[str, Any] | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        lockstep: Lockstep | None = None,
     ):
         """`defaults`: `stream_generate` kwargs from the flags, which requests override;
-        `processor_settings` the flags' penalties, the base of a request's own."""
+        `processor_settings` the flags' penalties, the base of a request's own;
+        `lockstep` the ranks that run every job under `mlx.launch`."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         self.template_kwargs = template_kwargs or {}
         self.processor_settings = processor_settings or {}
@@ -255,6 +263,7 @@ class Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
         self.max_queue = max_queue
+        self.lockstep = lockstep or Lockstep(None, 0, "serve")
         self.pending = 0  # generations queued or running
         self._pending_lock = threading.Lock()
 
@@ -266,35 +275,55 @@ class Worker:
 
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, ids)
 
+    def generate(
+        self, job: Job, stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationResponse]:
+        """The job's responses, ended early when `stop()` (on every rank under mlx.launch)."""
+        if job.seed is not None:
+            mx.random.seed(job.seed)
+        kwargs = {**self.defaults, **job.kwargs}
+        if job.settings:
+            kwargs["logits_processors"] = make_logits_processors(
+                **{**self.processor_settings, **job.settings}
+            )
+        responses = stream_generate(
+            self.model, self.draft, self.tokenizer, job.prompt, prompt_cache=self.cache, **kwargs
+        )
+        return self.lockstep.steps(stop_at_strings(responses, job.stops), stop)
+
+    def follow(self) -> None:
+        """Ranks but 0: run rank 0's jobs until it shuts down; a job's error (the same
+        on every rank) ends only that job, as on rank 0."""
+        for unit in self.lockstep.units():
+            try:
+                for _ in self.generate(Job.from_unit(unit)):
+                    pass
+            except Exception as exc:
+                if is_backend_error(exc):
+                    raise
+                log.info("job failed: %s", exc)
+
     def _run(self, job: Job, stop: threading.Event, put) -> None:
         try:
             if stop.is_set():  # the client left while waiting its turn
                 return
             log.info("generating: %d prompt tokens", len(job.prompt))
-            if job.seed is not None:
-                mx.random.seed(job.seed)
-            responses = stream_generate(
-                self.model,
-                self.draft,
-                self.tokenizer,
-                job.prompt,
-                prompt_cache=self.cache,
-                **job.kwargs,
-            )
-            responses = stop_at_strings(responses, job.stops)
+            self.lockstep.send(asdict(job))
+            responses = self.generate(job, stop.is_set)
             try:
                 for response in responses:
                     entries = None
                     if job.top_logprobs is not None:
                         entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
                     put((response, entries))
-                    if stop.is_set():
+                    if stop.is_set() and response.finish_reason is None:
                         log.info("client gone: stopped after %d tokens", response.generation_tokens)
-                        break
             finally:
                 responses.close()
         except Exception as exc:
             put(exc)
+            if self.lockstep.group is not None and is_backend_error(exc):
+                abort(f"dflash-mlx serve: error: rank 0: {exc}")  # the ranks are out of step
         finally:
             with self._pending_lock:
                 self.pending -= 1
@@ -331,13 +360,22 @@ class Worker:
 
 @dataclass
 class Job:
-    """One request's generation, as the worker thread runs it."""
+    """One request's generation, as the worker thread runs it (JSON-able, to send to ranks)."""
 
     prompt: list[int]
-    kwargs: dict[str, Any]  # for `stream_generate`
+    kwargs: dict[str, Any]  # for `stream_generate`, over the server's defaults
+    settings: dict[str, Any] = field(default_factory=dict)  # penalties, over the server's
     seed: int | None = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs
+
+    @classmethod
+    def from_unit(cls, unit: dict[str, Any]) -> Job:
+        """The job rank 0 sent as JSON (whose object keys are strings)."""
+        job = cls(**unit)
+        if "logit_bias" in job.settings:
+            job.settings["logit_bias"] = {int(k): v for k, v in job.settings["logit_bias"].items()}
+        return job
 
 
 def logprob_entries(
@@ -367,7 +405,15 @@ def logprob_entries(
 
 def create_app(worker: Worker, model_id: str) -> FastAPI:
     """The FastAPI app serving `worker`'s model under the name `model_id`."""
-    app = FastAPI(title="dflash-mlx")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if worker.lockstep.group is not None:  # shutting down: after the last job, the end
+            done = worker.executor.submit(worker.lockstep.send, None)
+            await asyncio.wrap_future(done)
+
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan)
     created = int(time.time())
 
     @app.get("/health")
@@ -420,16 +466,14 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             "top_k": body.top_k,
             "min_p": body.min_p,
         }
-        kwargs = {**worker.defaults, **{k: v for k, v in requested.items() if v is not None}}
-        kwargs["max_tokens"] = min(kwargs["max_tokens"], room or kwargs["max_tokens"])
+        kwargs = {k: v for k, v in requested.items() if v is not None}
+        max_tokens = kwargs.get("max_tokens", worker.defaults["max_tokens"])
+        kwargs["max_tokens"] = min(max_tokens, room or max_tokens)
         settings = {k: getattr(body, k) for k in PROCESSOR_SETTINGS if getattr(body, k) is not None}
         if any(not 0 <= t < worker.vocab_size for t in settings.get("logit_bias", {})):
             return error(400, "logit_bias: token ids must be in the vocabulary", "logit_bias")
-        if settings:
-            settings = {**worker.processor_settings, **settings}
-            kwargs["logits_processors"] = make_logits_processors(**settings)
         stop = threading.Event()
-        job = Job(ids, kwargs, body.seed, body.stops, body.alternatives)
+        job = Job(ids, kwargs, settings, body.seed, body.stops, body.alternatives)
         try:
             responses = worker.submit(job, stop)
         except QueueFull:
@@ -650,7 +694,11 @@ def run(args: argparse.Namespace) -> None:
         args.chat_template_args,
         processor_settings(args),
         args.max_queue,
+        Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
     )
-    app = create_app(worker, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if not worker.lockstep.leader:
+        worker.follow()
+        return
+    app = create_app(worker, args.model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import load_draft
-from .distributed import shared_seed, world_group
+from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import GenerationResponse
 from .sampling import RULES
@@ -74,6 +74,24 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         penalties.add_argument(
             f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
         )
+    add_rank_timeout_argument(parser)
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: split the target's layers over the ranks (pipeline parallel, "
+        "models with mlx-lm's pipeline(): qwen3_5, qwen3_next) instead of every layer's weights",
+    )
+
+
+def add_rank_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--rank-timeout`, for the subcommands that run under `mlx.launch`."""
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=DEFAULT_RANK_TIMEOUT,
+        help="under mlx.launch: end every rank when a generation makes no progress for this "
+        f"many seconds, e.g. a peer that hangs (default {DEFAULT_RANK_TIMEOUT:g}; 0: never)",
+    )
 
 
 def load_models(
@@ -82,8 +100,9 @@ def load_models(
     """Target, tokenizer and drafter from the flags; `--no-draft` gets no drafter (None).
 
     `--seed` seeds after loading, so the seed alone decides the samples.
-    Under `mlx.launch` the target is sharded over the ranks (tensor parallel),
-    the drafter is whole on every rank, and every rank seeds with rank 0's seed.
+    Under `mlx.launch` the target is sharded over the ranks (tensor parallel, or
+    with `--pipeline` its layers split over them), the drafter is whole on every
+    rank, and every rank seeds with rank 0's seed.
     """
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
@@ -92,7 +111,12 @@ def load_models(
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     group = world_group()
-    model, tokenizer = load(args.model, tensor_group=group)
+    if args.pipeline and group is None:
+        raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
+    if args.pipeline:
+        model, tokenizer = load(args.model, pipeline_group=group)
+    else:
+        model, tokenizer = load(args.model, tensor_group=group)
     draft = (
         None
         if args.no_draft

@@ -63,6 +63,7 @@ def load(
     path_or_repo: str | Path,
     dtype: mx.Dtype | None = None,
     tensor_group: mx.distributed.Group | None = None,
+    pipeline_group: mx.distributed.Group | None = None,
     **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer (local dir or hub id).
@@ -72,11 +73,16 @@ def load(
     checkpoint's dtype on a GPU (Metal or CUDA). Extra keyword arguments go to `mlx_lm.load`.
     `tensor_group` (as in mlx-lm's `sharded_load`) shards the target over the
     group with the model's own `shard()`: each rank keeps its slice of the
-    weights and runs every forward together with the others.
+    weights and runs every forward together with the others. `pipeline_group`
+    instead splits the layers over the group with the model's own `pipeline()`
+    (rank 0 keeps the last ones); only the world group is supported, as in mlx-lm.
     """
+    if tensor_group is not None and pipeline_group is not None:
+        raise ValueError("shard the target over a tensor group or a pipeline group, not both")
+    group = tensor_group or pipeline_group
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}
-    sharded = tensor_group is not None and tensor_group.size() > 1
+    sharded = group is not None and group.size() > 1
     try:
         model, tokenizer = mlx_lm_load(str(path), model_config=model_config, lazy=sharded, **kwargs)
     except (FileNotFoundError, ValueError):
@@ -87,10 +93,10 @@ def load(
         ) from exc
     cast_model(model, dtype if dtype is not None else default_dtype())
     if sharded:
-        shard(model, tensor_group)
+        (shard if tensor_group is not None else pipeline)(model, group)
     mx.eval(model.parameters())
     if sharded:  # every rank has its slice before any of them starts a forward
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=tensor_group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return model, tokenizer
 
 
@@ -104,6 +110,23 @@ def shard(model: nn.Module, group: mx.distributed.Group) -> None:
     except (AssertionError, ValueError) as exc:
         raise ValueError(
             f"cannot shard model type '{model_type}' over {group.size()} ranks: {exc}"
+        ) from None
+
+
+def pipeline(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Pipeline-parallel `model` over `group` with mlx-lm's `pipeline()`, or say why not."""
+    model_type = getattr(model, "model_type", type(model).__name__)
+    _, backbone = _find_backbone(model)
+    if not hasattr(backbone, "pipeline"):
+        raise ValueError(
+            f"mlx-lm has no pipeline parallelism for model type '{model_type}'; "
+            "shard it tensor parallel instead (without --pipeline)"
+        )
+    try:
+        backbone.pipeline(group)
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot pipeline model type '{model_type}' over {group.size()} ranks: {exc}"
         ) from None
 
 
@@ -234,6 +257,35 @@ def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array
 SHARDED_HEADS = (AllToShardedLinear, QuantizedAllToShardedLinear)
 
 
+class _PipelineSink(dict):
+    """Captured layer outputs when the layers are split over pipeline ranks.
+
+    Each rank records its own tapped layers and the backbone's output; reading a
+    tapped layer gathers all of them to every rank with one `all_sum` (each
+    layer's rank adds its output, the others zeros), made to depend on the
+    backbone's output so that it runs after the forward's own send, receive and
+    gather on every rank alike, and evaluated at once, before any later forward.
+    """
+
+    OUTPUT = "output"
+
+    def __init__(self, layer_ids: list[int]):
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        self.gathered: tuple[mx.array, mx.array] | None = None  # (for this output, features)
+
+    def __getitem__(self, i: int) -> mx.array:
+        output = dict.__getitem__(self, self.OUTPUT)
+        if self.gathered is None or self.gathered[0] is not output:
+            parts = [dict.get(self, j, mx.zeros_like(output)) for j in self.layer_ids]
+            mine = mx.depends(mx.concatenate(parts, axis=-1), output)
+            self.gathered = (output, mx.distributed.all_sum(mine, stream=mx.cpu))
+            mx.eval(self.gathered[1])  # now: a receive of the next forward, which depends on
+            # nothing, must not be scheduled before it on one rank and after it on another
+        k, width = self.layer_ids.index(i), output.shape[-1]
+        return self.gathered[1][..., k * width : (k + 1) * width]
+
+
 def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
     """The full-vocabulary logits of a vocabulary-sharded LM head, on every rank."""
     return gather_last_axis(head(x), head.group)
@@ -248,6 +300,11 @@ class TargetAdapter:
         self.family = type(model).__module__.rpartition(".")[2]
         owner, backbone = _find_backbone(model)
         self.layers = backbone.layers
+        self.backbone, self.layer_offset, self.pipelined = backbone, 0, False
+        if getattr(backbone, "pipeline_size", 1) > 1:  # this rank holds layers [start, end)
+            total = owner.args.num_hidden_layers
+            self.layers = [*backbone.layers, *[None] * (total - len(backbone.layers))]
+            self.layer_offset, self.pipelined = backbone.start_idx, True
         self.embedding = backbone.embed_tokens
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
         self.head = owner.lm_head if "lm_head" in owner else self.embedding
@@ -321,10 +378,12 @@ class TargetAdapter:
         `cache`, a forward through other caches is not recorded. A second
         capture of the same model while one is open raises RuntimeError.
         """
-        sink: dict[int, mx.array] = {}
+        sink: dict[Any, mx.array] = _PipelineSink(layer_ids) if self.pipelined else {}
         tapped = set(layer_ids)
         recurrent = {
-            i for i, c in enumerate(make_prompt_cache(self.model)) if isinstance(c, ArraysCache)
+            self.layer_offset + i
+            for i, c in enumerate(make_prompt_cache(self.model))
+            if isinstance(c, ArraysCache)
         }
         caches = None if cache is None else {id(c) for c in cache}
         hooked = []
@@ -334,10 +393,15 @@ class TargetAdapter:
                     "this model is already being generated with (in another thread or another "
                     "open generator); run one generation per model at a time"
                 )
-            for i in sorted(tapped | recurrent):
-                layer = self.layers[i]
+            hooks = [(i, self.layers[i]) for i in sorted(tapped | recurrent)]
+            if self.pipelined:  # its output: after the forward's collectives on every rank
+                hooks.append((_PipelineSink.OUTPUT, self.backbone))
+            for i, layer in hooks:
+                if layer is None:  # on another pipeline rank
+                    continue
                 original = type(layer)
-                object.__setattr__(layer, "_dflash_sink", sink if i in tapped else None)
+                record = i in tapped or i == _PipelineSink.OUTPUT
+                object.__setattr__(layer, "_dflash_sink", sink if record else None)
                 object.__setattr__(layer, "_dflash_index", i)
                 object.__setattr__(layer, "_dflash_caches", caches)
                 layer.__class__ = _hooked_class(original)

@@ -3,6 +3,9 @@
 python distributed_rank.py sample TARGET DRAFT   tokens sampled at temperature 1
 python distributed_rank.py qwen3_5 TOKENIZER_DIR greedy tokens of a tiny qwen3_5 (LM head
                                                  sharded over the vocabulary), no EOS
+python distributed_rank.py pipeline TOKENIZER_DIR the same, its layers split over the ranks
+                                                 (pipeline parallel), the drafter tapping
+                                                 layers on different ranks
 """
 
 import json
@@ -20,11 +23,20 @@ from test_families import GATED_DELTA, PROMPT, build  # noqa: E402
 from dflash_mlx import load, load_draft, stream_generate  # noqa: E402
 from dflash_mlx.checkpoint import init_draft  # noqa: E402
 from dflash_mlx.distributed import shared_seed, world_group  # noqa: E402
-from dflash_mlx.target import shard  # noqa: E402
+from dflash_mlx.target import TargetAdapter, pipeline, shard  # noqa: E402
 
 MAX_TOKENS = 24
 QWEN3_5_UNTIED = dict(text_config=dict(GATED_DELTA, tie_word_embeddings=False))
 DRAFT_VOCAB = list(range(0, 320, 3))  # through the vocabulary-sharded head: masked, not sliced
+TAPPED = [1, 3]  # split over 2 pipeline ranks: rank 1 holds layers 0-1, rank 0 layers 2-4
+
+
+def tapped_features(model) -> list[float]:
+    """Per prompt position, the sum of what the drafter sees: the TAPPED layers' outputs."""
+    with TargetAdapter(model).capture(TAPPED) as captured:
+        model(mx.array(PROMPT)[None])
+        features = mx.concatenate([captured[i] for i in TAPPED], axis=-1)
+    return features.sum(axis=-1)[0].tolist()
 
 
 def tokens_of(model, draft, tokenizer, prompt, **kwargs) -> list[int]:
@@ -45,12 +57,20 @@ def main() -> None:
         seed = None
         model = build("qwen3_5", fields=QWEN3_5_UNTIED)
         draft = init_draft(model, num_layers=2, block_size=4)
-        draft.config.draft_vocab = DRAFT_VOCAB
-        shard(model, group)
+        if mode == "pipeline":
+            draft.config.target_layer_ids = TAPPED
+            pipeline(model, group)
+            features = tapped_features(model)
+        else:
+            draft.config.draft_vocab = DRAFT_VOCAB
+            shard(model, group)
         tokenizer = load_tokenizer(Path(sys.argv[2]))
         tokenizer.eos_token_ids = []
         tokens = tokens_of(model, draft, tokenizer, PROMPT, block_size=4)
-    print(json.dumps({"rank": group.rank(), "seed": seed, "tokens": tokens}), flush=True)
+    reply = {"rank": group.rank(), "seed": seed, "tokens": tokens}
+    if mode == "pipeline":
+        reply["features"] = features
+    print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
 """The target sharded over 2 local processes (MLX's ring backend on 127.0.0.1), as under
-`mlx.launch` on several Macs: the same reply as one process, printed once; the same random
-draws on every rank; a rank that dies ends the others with an error, never a hang."""
+`mlx.launch` on several Macs: the same reply as one process, printed once, from generate,
+chat, serve and bench; the same random draws on every rank; a rank that dies or hangs ends
+the others with an error, never a hang."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED
+from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, tapped_features
 from helpers import reference_greedy, set_eos
+from openai import APIConnectionError, InternalServerError, OpenAI
 from test_families import PROMPT, build
 
 import dflash_mlx
@@ -83,21 +87,17 @@ def outputs(procs) -> list[tuple[int, str, str]]:
     return results
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-untied-mha"])
-def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loaded, name):
-    target, draft = make_pair(name)
-    model, tokenizer, drafter = loaded(name)
-    prompt = "How many apples?"
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected = dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=20, block_size=4)
-    assert len(expected) > 5
+def launch(
+    argv: list[str], stdin: str = "", cwd: Path | None = None, n: int = RANKS
+) -> tuple[int, str, str]:
+    """`mlx.launch -n N --backend ring -- python -m dflash_mlx ARGV`: (status, stdout,
+    stderr). stdin is written and left open: mlx.launch forwards input, never its end."""
     port = free_ports(1)[0]
-    command = ["mlx.launch", "-n", str(RANKS), "--backend", "ring", "-p", str(port), "--"]
-    command += [sys.executable, "-m", "dflash_mlx", "generate", "--model", str(target)]
-    command += ["--draft", str(draft), "-p", prompt, "-m", "20", "--block-size", "4"]
-    proc = subprocess.Popen(  # stdin kept open: mlx.launch forwards it to every rank
-        command,
+    command = ["mlx.launch", "-n", str(n), "--backend", "ring", "-p", str(port), "--"]
+    proc = subprocess.Popen(
+        [*command, sys.executable, "-m", "dflash_mlx", *argv],
         env=env(),
+        cwd=cwd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -105,6 +105,8 @@ def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loa
         start_new_session=True,
     )
     try:
+        proc.stdin.write(stdin)
+        proc.stdin.flush()
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"mlx.launch still running after {TIMEOUT} s (a hang)")
@@ -112,9 +114,128 @@ def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+def one_process_reply(models: tuple, text: str, max_tokens: int) -> str:
+    """The greedy reply of one process, with the block size every launched run here uses."""
+    model, tokenizer, drafter = models
+    return dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=max_tokens, block_size=4)
+
+
+def model_flags(pair: tuple[Path, Path], max_tokens: int) -> list[str]:
+    target, draft = pair
+    return ["--model", str(target), "--draft", str(draft), "-m", str(max_tokens)]
+
+
+@pytest.mark.parametrize(
+    "name, n",
+    # 4 ranks need 4 KV heads; 156 s on the loaded 2-core box, so slow like the whole module
+    [("llama-tied-gqa", 2), ("qwen3-untied-mha", 2), ("llama-untied-mha", 4)],
+)
+def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loaded, name, n):
+    tokenizer = loaded(name)[1]
+    prompt = "How many apples?"
+    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    expected = one_process_reply(loaded(name), text, 20)
+    assert len(expected) > 5
+    argv = ["generate", *model_flags(make_pair(name), 20), "-p", prompt, "--block-size", "4"]
+    status, out, err = launch(argv, n=n)
+    assert status == 0, err
     assert out == expected + "\n", err
     assert err.count("tok/s") == 1, err  # the stats line, from rank 0 only
+
+
+def test_mlx_launch_chat_replies_as_one_process_with_the_prompt_cache(make_pair, loaded):
+    tokenizer = loaded("llama-tied-gqa")[1]
+    questions, messages, expected = ["How many apples?", "And pears?"], [], []
+    for question in questions:  # one process, each turn prefilled whole
+        messages.append({"role": "user", "content": question})
+        text = chat_prompt(tokenizer, messages)
+        expected.append(one_process_reply(loaded("llama-tied-gqa"), text, 12))
+        messages.append({"role": "assistant", "content": expected[-1]})
+    argv = ["chat", *model_flags(make_pair("llama-tied-gqa"), 12), "--block-size", "4"]
+    status, out, err = launch(argv, stdin="\n".join([*questions, "/stats", "/quit", ""]))
+    assert status == 0, err
+    assert out.startswith("dflash-mlx chat: /help for commands, /quit to exit\n>> "), out
+    for reply in expected:
+        assert out.count(f">> {reply}\n[") == 1, (reply, out)  # printed once, by rank 0
+    new = [int(n) for n in re.findall(r"\((\d+) new\)\]", out)]
+    assert len(new) == 2 and new[1] < len(tokenizer.encode(chat_prompt(tokenizer, messages)))
+    assert "[2 turns, 4 messages" in out
+
+
+def test_mlx_launch_bench_runs_in_lockstep_and_rank_0_alone_reports(make_pair, loaded, tmp_path):
+    tokenizer = loaded("llama-tied-gqa")[1]
+    prompt = "How many apples?"
+    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    expected = one_process_reply(loaded("llama-tied-gqa"), text, 8)
+    (tmp_path / "prompts.json").write_text(json.dumps([prompt]))  # read by rank 0 alone
+    argv = ["bench", *model_flags(make_pair("llama-tied-gqa"), 8), "--block-size", "4"]
+    argv[argv.index("-m")] = "--max-tokens"
+    argv += ["--prompts", "prompts.json", "--out", "bench.json"]
+    status, out, err = launch(argv, cwd=tmp_path)
+    assert status == 0, err
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["prompts"][0]["dflash_text"] == expected
+    assert results["overall"]["identical"] == 1  # mlx-lm's decoding of the sharded target
+    assert out.count("Per prompt") == 1 and err.count("wrote bench.json") == 1, err
+
+
+def openai_client(port: int) -> OpenAI:
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+    )
+
+
+def when_up(call, procs):
+    """`call()`, once rank 0's server answers: it opens its port when every rank has loaded."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return call()
+        except APIConnectionError:
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise
+            time.sleep(1)
+
+
+def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
+    make_pair, loaded, tmp_path
+):
+    tokenizer = loaded("llama-tied-gqa")[1]
+    messages = [{"role": "user", "content": "How many apples?"}]
+    text = chat_prompt(tokenizer, messages)
+    expected = one_process_reply(loaded("llama-tied-gqa"), text, 12)
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "dflash_mlx", "serve", "--block-size", "4", "--port", str(port)]
+    with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 12)], tmp_path) as procs:
+        client = openai_client(port)
+        reply = when_up(lambda: client.chat.completions.create(model="m", messages=messages), procs)
+        again = client.completions.create(model="m", prompt=text, max_tokens=5, stop=["zzz"])
+        procs[0].send_signal(signal.SIGTERM)  # shut the server down: the other rank is released
+        results = outputs(procs)
+    assert reply.choices[0].message.content == expected
+    assert again.choices[0].text == one_process_reply(loaded("llama-tied-gqa"), text, 5)
+    statuses = [rc for rc, _, _ in results]  # uvicorn ends on the signal it was sent, as alone
+    assert statuses == [-signal.SIGTERM, 0], [err for _, _, err in results]
+    assert "Finished server process" in results[0][2]
+    assert results[1][1] == "" and "Uvicorn running" not in results[1][2]
+
+
+def test_serve_ends_with_an_error_when_a_rank_died_between_requests(make_pair, tmp_path):
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "dflash_mlx", "serve", "--port", str(port)]
+    with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 4)], tmp_path) as procs:
+        client = openai_client(port)
+        when_up(client.models.list, procs)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        with pytest.raises((APIConnectionError, InternalServerError)):  # 500, or the server gone
+            client.completions.create(model="m", prompt="hello")
+        rc, _, err = outputs(procs[:1])[0]
+    assert rc == 1, err
+    assert err.strip().splitlines()[-1].startswith("dflash-mlx serve: error: rank 0: [ring]")
 
 
 def test_seeded_sampling_draws_the_same_tokens_on_every_rank(make_pair, loaded, tmp_path):
@@ -134,47 +255,80 @@ def test_seeded_sampling_draws_the_same_tokens_on_every_rank(make_pair, loaded, 
     assert [t for r in responses for t in r.tokens] == replies[0]["tokens"]
 
 
-def test_qwen3_5_with_a_vocabulary_sharded_head_equals_mlx_lm_greedy(make_pair, tmp_path):
+@pytest.mark.parametrize("mode", ["qwen3_5", "pipeline"])
+def test_qwen3_5_tensor_or_pipeline_parallel_equals_mlx_lm_greedy(make_pair, tmp_path, mode):
+    """Tensor parallel with a vocabulary-sharded head; pipeline parallel with the drafter's
+    tapped layers (and recurrent caches to roll back) on different ranks."""
     target, _ = make_pair("llama-tied-gqa")  # for its tokenizer
-    expected = reference_greedy(build("qwen3_5", fields=QWEN3_5_UNTIED), PROMPT, MAX_TOKENS, set())
-    with ranks([sys.executable, str(RANK_SCRIPT), "qwen3_5", str(target)], tmp_path) as p:
+    model = build("qwen3_5", fields=QWEN3_5_UNTIED)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS, set())
+    with ranks([sys.executable, str(RANK_SCRIPT), mode, str(target)], tmp_path) as p:
         results = outputs(p)
     assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
     for _, out, _ in results:
         assert json.loads(out)["tokens"] == expected
+        if mode == "pipeline":  # the drafter's input, gathered from both ranks, is one process's
+            assert json.loads(out)["features"] == pytest.approx(tapped_features(model), rel=1e-4)
 
 
-def test_a_killed_rank_ends_the_others_with_an_error(make_pair, tmp_path):
+HUNG = "no progress for 30 s: a peer stopped responding (--rank-timeout)"
+
+
+@pytest.mark.parametrize(
+    "how, error",
+    [(signal.SIGKILL, "[ring] connection to a peer was lost"), (signal.SIGSTOP, HUNG)],
+    ids=["killed", "hung"],  # hung: alive, its sockets open, never answering
+)
+def test_a_killed_or_hung_rank_ends_the_others_with_an_error(make_pair, tmp_path, how, error):
     source, draft = make_pair("qwen3-untied-mha")
     target = shutil.copytree(source, tmp_path / "no-eos")
     set_eos(target, 10**6)  # never generated: the reply runs until the kill
     command = [sys.executable, "-m", "dflash_mlx", "generate", "--model", str(target)]
     command += ["--draft", str(draft), "-p", "hello", "-m", "4000", "--block-size", "4"]
-    with ranks(command, tmp_path) as procs:
+    with ranks([*command, "--rank-timeout", "30"], tmp_path) as procs:
         first = []  # rank 0 writes its reply as it goes: wait for it, so both ranks are decoding
         reader = threading.Thread(target=lambda: first.append(procs[0].stdout.read(1)))
         reader.start()
         reader.join(TIMEOUT)
         assert first and first[0], "rank 0 wrote nothing"
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(procs[1].pid, how)
+        hit = time.monotonic()
         try:
             procs[0].wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still running {TIMEOUT} s after rank 1 was killed (a hang)")
+            pytest.fail(f"rank 0 still running {TIMEOUT} s after rank 1 was hit (a hang)")
+        waited = time.monotonic() - hit
         err = procs[0].stderr.read()
     assert procs[0].returncode == 1, err
-    assert err.strip().splitlines()[-1].startswith("dflash-mlx generate: error: rank 0: [ring]")
+    assert err.strip().splitlines()[-1].startswith(f"dflash-mlx generate: error: rank 0: {error}")
+    if how == signal.SIGSTOP:
+        assert waited >= 30  # the watchdog's timeout, not a lost connection
 
 
-@pytest.mark.parametrize("command", ["chat", "serve", "bench"])
-def test_subcommands_without_lockstep_refuse_on_every_rank(make_pair, tmp_path, command):
-    target, draft = make_pair("llama-tied-gqa")
-    argv = [sys.executable, "-m", "dflash_mlx", command, "--model", str(target)]
-    with ranks([*argv, "--draft", str(draft)], tmp_path) as procs:
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (
+            ["convert", "in", "--out", "out"],
+            "'convert' does not run under mlx.launch; generate, chat, serve and bench do",
+        ),
+        (
+            ["generate", "--pipeline", "-p", "hi", "--no-draft", "--model", "TARGET"],
+            "mlx-lm has no pipeline parallelism for model type 'llama'; shard it tensor "
+            "parallel instead (without --pipeline)",
+        ),
+        (
+            ["bench", "--prompts", "missing.json", "--model", "TARGET"],
+            "[Errno 2] No such file or directory: 'missing.json'",  # rank 0's, on every rank
+        ),
+    ],
+    ids=["convert", "pipeline-llama", "bench-prompts"],
+)
+def test_what_cannot_run_sharded_is_refused_on_every_rank(make_pair, tmp_path, argv, error):
+    target = str(make_pair("llama-tied-gqa")[0])
+    command = [sys.executable, "-m", "dflash_mlx", *(target if a == "TARGET" else a for a in argv)]
+    with ranks(command, tmp_path) as procs:
         results = outputs(procs)
     for rc, _, err in results:
         assert rc == 1
-        assert err.strip() == (
-            f"dflash-mlx {command}: error: '{command}' does not run under mlx.launch yet; use "
-            "'dflash-mlx generate' for a target sharded over several machines"
-        )
+        assert err.strip() == f"dflash-mlx {argv[0]}: error: {error}"
