@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from threading import Lock
@@ -234,6 +235,57 @@ def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array
 SHARDED_HEADS = (AllToShardedLinear, QuantizedAllToShardedLinear)
 
 
+@dataclass
+class TreeForward:
+    """What a tree forward's hooks hand to the model: each node's position and what it sees.
+
+    `positions` (n,) are absolute (the cache offset + the node's depth); `visible`
+    (n, n) is the ancestor mask among the nodes. The counters show afterwards
+    whether the model took both (see `TargetAdapter.tree_attention`).
+    """
+
+    positions: mx.array
+    visible: mx.array
+    roped: set[int] = field(default_factory=set)
+    masked: bool = False
+
+    def mask(self, offset: int, n: int) -> mx.array:
+        """(n, offset + n): every node sees the whole committed cache and its ancestors."""
+        if n != self.visible.shape[0]:
+            raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
+        self.masked = True
+        return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), self.visible], axis=1)
+
+
+class _TreeMaskCache(KVCache):
+    """A KVCache whose attention mask is the tree's (the class of a cache during a tree forward)."""
+
+    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
+        return self._dflash_tree.mask(self.offset, N)
+
+
+_TREE_ROPES: dict[type, type] = {}
+
+
+def _tree_rope_class(cls: type) -> type:
+    """A subclass of a RoPE class that puts node i of a (1, heads, n, dim) input at positions[i].
+
+    mx.fast.rope takes one offset per batch row, so the node axis goes into the batch axis.
+    """
+    if cls not in _TREE_ROPES:
+
+        def __call__(self, x, offset=0, *args, **kwargs):
+            tree = self._dflash_tree
+            if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
+                raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
+            tree.roped.add(id(self))
+            out = cls.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
+            return out.swapaxes(0, -2)
+
+        _TREE_ROPES[cls] = type(f"Tree{cls.__name__}", (cls,), {"__call__": __call__})
+    return _TREE_ROPES[cls]
+
+
 def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
     """The full-vocabulary logits of a vocabulary-sharded LM head, on every rank."""
     return gather_last_axis(head(x), head.group)
@@ -309,6 +361,68 @@ class TargetAdapter:
         """
         for c in cache:
             c.trim(num_tokens)
+
+    def ropes(self) -> list[nn.Module]:
+        """The rotary embedding modules of the attention layers (each once)."""
+        found = {}
+        for layer in self.layers:
+            for name, module in layer.named_modules():
+                if name.rpartition(".")[2] == "rope":
+                    found[id(module)] = module
+        return list(found.values())
+
+    def check_tree(self, cache: list[Any]) -> None:
+        """Raise a one-line ValueError when this model's caches or attention cannot verify trees."""
+        kinds = {WindowKVCache: "sliding-window", RecurrentCache: "recurrent"}
+        other = next((c for c in cache if type(c) is not KVCache), None)
+        if other is not None:
+            kind = kinds.get(type(other), type(other).__name__)
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                f"its {kind} layers cannot keep just the accepted path of a tree; "
+                "use the chain (no --tree-budget)"
+            )
+        if not self.ropes():
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                "its attention has no `rope` module to give tree nodes their positions"
+            )
+
+    @contextmanager
+    def tree_attention(self, cache: list[Any], depths: list[int], visible: mx.array) -> Iterator:
+        """Make the next forward through `cache` a tree forward, per instance.
+
+        Its inputs are tree nodes: node i is placed at the cache offset + `depths[i]`
+        and sees the committed cache and the nodes `visible[i]` (its ancestors).
+        The model code runs unchanged: the caches' class is swapped for one whose
+        `make_mask` gives the tree mask and each attention's RoPE for one that
+        takes per-node positions (mlx-lm's attention asks `cache.make_mask` for
+        its mask and ropes at `cache.offset`); both get their classes back after.
+        A model that took neither (its attention computes them otherwise) is
+        refused after the forward, before anything is read from it.
+        """
+        tree = TreeForward(cache[0].offset + mx.array(depths), visible)
+        swapped: list[tuple[Any, type]] = []
+        try:
+            for c in cache:
+                swapped.append((c, type(c)))
+                c.__class__ = _TreeMaskCache
+                c._dflash_tree = tree
+            ropes = self.ropes()
+            for rope in ropes:
+                swapped.append((rope, type(rope)))
+                object.__setattr__(rope, "_dflash_tree", tree)
+                rope.__class__ = _tree_rope_class(type(rope))
+            yield tree
+        finally:
+            for obj, original in swapped:
+                obj.__class__ = original
+                object.__delattr__(obj, "_dflash_tree")
+        if not tree.masked or len(tree.roped) != len(ropes):
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                "its attention did not take the tree's positions and mask"
+            )
 
     @contextmanager
     def capture(

@@ -1,0 +1,167 @@
+"""Tree verification: the tree builder, mask and walk against brute force, a tree forward against
+plain forwards over each node's path, and greedy output equal to mlx-lm's for every family whose
+caches can keep a tree's accepted path (and a clear refusal for the others)."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import reference_greedy
+from test_cli import dflash, greedy_text
+from test_families import FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_generate import OracleDraft
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.rollback import keep_path
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.tree import Tree, ancestor_mask, build_tree, walk
+
+TREE_FAMILIES = ["llama", "qwen3", "qwen3_moe", "minimax", "kimi_k25"]
+REFUSED = {
+    "qwen3_5": "recurrent",
+    "qwen3_5_moe": "recurrent",
+    "qwen3_next": "recurrent",
+    "gpt_oss": "sliding-window",
+    "gemma4_text": "sliding-window",
+    "gemma4": "sliding-window",
+}
+MAX_TOKENS = 120
+
+
+def sorted_candidates(logprobs: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k]
+    return order.tolist(), np.take_along_axis(logprobs, order, axis=-1).tolist()
+
+
+def brute_force_best(logprobs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+    """The `budget` best prefixes of every length, by enumerating all of them."""
+    depth, vocab = logprobs.shape
+    scored = []
+    for d in range(1, depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=d):
+            score = sum(logprobs[t, x] for t, x in enumerate(prefix))
+            if score > -np.inf:
+                scored.append((score, prefix))
+    scored.sort(key=lambda s: -s[0])
+    return {prefix for _, prefix in scored[:budget]}
+
+
+def ancestors(tree: Tree, node: int) -> list[int]:
+    """The nodes from the root's child down to `node`."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def prefixes(tree: Tree) -> set[tuple[int, ...]]:
+    out = [tuple(tree.tokens[n] for n in ancestors(tree, node)) for node in range(1, len(tree))]
+    assert len(set(out)) == len(out)
+    return set(out)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 17, 40])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_is_the_budget_best_prefixes(budget, seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(4, 5)) * 2.0
+    if seed == 2:  # tokens outside a draft vocabulary never enter the tree
+        logits[:, 3] = -np.inf
+    logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    tree = build_tree(99, *sorted_candidates(logprobs, budget), budget)
+    assert tree.tokens[0] == 99 and tree.parents[0] == -1 and tree.depths[0] == 0
+    assert prefixes(tree) == brute_force_best(logprobs, budget)
+    assert len(tree) == 1 + min(budget, len(brute_force_best(logprobs, 10**6)))
+    for node in range(1, len(tree)):
+        assert tree.parents[node] < node
+        assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
+
+
+def test_ancestor_mask_and_walk():
+    #        0
+    #      /   \
+    #     1(7)  2(8)
+    #    /  \     \
+    #  3(5) 4(6)  5(5)
+    tree = Tree([9, 7, 8, 5, 6, 5], [-1, 0, 0, 1, 1, 2], [0, 1, 1, 2, 2, 2])
+    expected = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ]
+    assert ancestor_mask(tree.parents).tolist() == [[bool(v) for v in row] for row in expected]
+    # the target's choice after each node's prefix
+    assert walk(tree, [8, 0, 5, 0, 0, 3].__getitem__) == ([0, 2, 5], 3)
+    assert walk(tree, [7, 6, 0, 0, 4, 0].__getitem__) == ([0, 1, 4], 4)
+    assert walk(tree, [1, 0, 0, 0, 0, 0].__getitem__) == ([0], 1)
+
+
+@pytest.fixture(scope="module")
+def family():
+    """(model, random drafter, mlx-lm's greedy continuation of PROMPT) per family, built once."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build(name)
+            draft = init_draft(model, num_layers=2, block_size=16)
+            built[name] = model, draft, reference_greedy(model, PROMPT, MAX_TOKENS + 16, set())
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    wrapper = TokenizerWrapper(loaded("llama-tied-gqa")[1]._tokenizer)
+    wrapper.eos_token_ids = []
+    return wrapper
+
+
+def random_tree(seed: int, size: int, vocab: int) -> Tree:
+    rng = np.random.default_rng(seed)
+    tokens, parents, depths = [int(rng.integers(vocab))], [-1], [0]
+    for node in range(1, size):
+        parent = int(rng.integers(node))
+        tokens.append(int(rng.integers(vocab)))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return Tree(tokens, parents, depths)
+
+
+@pytest.mark.parametrize("name", TREE_FAMILIES)
+def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(family, name):
+    """Every node's logits equal a plain forward over its root-to-node path; the cache kept for
+    a path equals the cache of a plain forward over the path's tokens."""
+    model, _, _ = family(name)
+    target = TargetAdapter(model)
+    tree = random_tree(seed=len(name), size=12, vocab=300)
+    cache = target.make_cache()
+    model(mx.array(PROMPT)[None], cache=cache)
+    with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
+        logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
+    assert all(c.offset == len(PROMPT) + len(tree) for c in cache)
+    deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
+    for node in [0, 1, deepest, len(tree) - 1]:
+        path = [0] + ancestors(tree, node)
+        reference = target.make_cache()
+        plain = model(mx.array(PROMPT + [tree.tokens[n] for n in path])[None], cache=reference)
+        assert mx.allclose(logits[node], plain[0, -1], atol=1e-4, rtol=1e-4), node
+    path = [0] + ancestors(tree, deepest)
+    assert path != list(range(len(path)))  # the path's K/V must move
+    keep_path(cache, len(PROMPT), path)
+    reference = target.make_cache()
+    model(mx.array(PROMPT + [tree.tokens[n] for n in path])[None], cache=reference)
+    for ours, plain in zip(cache, reference):
+        assert ours.offset == plain.offset == len(PROMPT) + len(path)
+        for a, b in zip(ours.state[:2], plain.state[:2]):
+            assert mx.allclose(a[..., : ours.offset, :], b[..., : ours.offset, :], atol=1e-4)
