@@ -165,3 +165,104 @@ def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(famil
         assert ours.offset == plain.offset == len(PROMPT) + len(path)
         for a, b in zip(ours.state[:2], plain.state[:2]):
             assert mx.allclose(a[..., : ours.offset, :], b[..., : ours.offset, :], atol=1e-4)
+
+
+class RunnerUpOracle(OracleDraft):
+    """The true continuation as every position's second choice, behind a wrong first choice:
+    a chain accepts nothing, a tree that holds runners-up accepts them."""
+
+    def draft_logits(self, block, embed, lm_head, cache):
+        start, vocab = cache[0].offset, self.config.vocab_size
+        truth = mx.array(self.sequence[start + 1 : start + block.shape[0]])
+        wrong = (truth + 1) % vocab
+        eye = mx.eye(vocab)
+        return 1.0 * eye[wrong] + 0.6 * eye[truth] - 50.0 * (1 - eye[wrong] - eye[truth])
+
+
+def run(model, draft, tokenizer, prompt, **kwargs):
+    responses = list(stream_generate(model, draft, tokenizer, prompt, **kwargs))
+    return [t for r in responses for t in r.tokens], responses
+
+
+def tau(responses) -> float:
+    return (responses[-1].generation_tokens - 1) / (len(responses) - 1)
+
+
+@pytest.mark.parametrize("name", TREE_FAMILIES)
+def test_tree_greedy_equals_mlx_lm(family, tokenizer, name):
+    model, draft, expected = family(name)
+    expected = expected[:MAX_TOKENS]
+    for budget in (1, 4, 16, 32):
+        tokens, responses = run(
+            model, draft, tokenizer, PROMPT, max_tokens=MAX_TOKENS, tree_budget=budget
+        )
+        assert tokens == expected, (
+            f"budget {budget}: first difference at {first_difference(tokens, expected)}"
+        )
+        assert all(r.proposed <= budget for r in responses)
+    runner_up = RunnerUpOracle(draft, PROMPT + family(name)[2])
+    chain_tokens, chain = run(model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
+    tree_tokens, tree = run(
+        model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS, tree_budget=32
+    )
+    assert chain_tokens == tree_tokens == expected
+    assert tau(chain) == 1.0 and tau(tree) > 2.0
+
+
+def test_tree_with_long_chunked_prompts_and_a_prompt_cache_across_calls(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    eos = set(tokenizer.eos_token_ids)
+    long = prompt_of(2049, seed=21)  # prefilled in two chunks
+    expected = reference_greedy(model, long, 24, eos)
+    assert run(model, draft, tokenizer, long, max_tokens=24, tree_budget=8)[0] == expected
+    cache = make_prompt_cache(model, draft)
+    first = prompt_of(40, seed=22)
+    reply, _ = run(model, draft, tokenizer, first, max_tokens=30, prompt_cache=cache, tree_budget=8)
+    assert reply == reference_greedy(model, first, 30, eos)
+    second = first + reply + prompt_of(6, seed=23)
+    expected = reference_greedy(model, second, 30, eos)
+    tokens, _ = run(
+        model, draft, tokenizer, second, max_tokens=30, prompt_cache=cache, tree_budget=16
+    )
+    assert tokens == expected
+    assert all(c.offset == len(cache.tokens) for c in cache.target + cache.draft)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_families_whose_caches_cannot_keep_a_path_are_refused(family, tokenizer, name):
+    assert set(TREE_FAMILIES) | set(REFUSED) == set(FAMILIES)
+    model, draft, _ = family(name)
+    with pytest.raises(ValueError, match=f"'{name}'.*its {REFUSED[name]} layers"):
+        next(stream_generate(model, draft, tokenizer, PROMPT, tree_budget=4))
+
+
+def test_tree_settings_refused_or_falling_back_to_the_chain(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(9, seed=4)
+    with pytest.raises(ValueError, match="tree_budget must be at least 1"):
+        next(stream_generate(model, draft, tokenizer, prompt, tree_budget=0))
+    with pytest.raises(ValueError, match="tree verification needs a drafter"):
+        next(stream_generate(model, None, tokenizer, prompt, tree_budget=4))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        next(stream_generate(model, draft, tokenizer, prompt, tree_budget=4, adaptive=True))
+    mx.random.seed(3)
+    chain, _ = run(model, draft, tokenizer, prompt, max_tokens=20, temperature=0.8)
+    mx.random.seed(3)
+    with pytest.warns(UserWarning, match="greedy-only.*verifying chains instead"):
+        sampled, responses = run(
+            model, draft, tokenizer, prompt, max_tokens=20, temperature=0.8, tree_budget=4
+        )
+    assert sampled == chain
+    assert responses[1].proposed == draft.config.block_size - 1  # a chain, not a 4-node tree
+
+
+def test_cli_tree_budget_equals_greedy(make_pair, loaded):
+    target, draft = make_pair("llama-tied-gqa")
+    out = dflash(f"generate --model {target} --draft {draft} --json -m 24 --tree-budget 8", "Hi")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    text, n = greedy_text(loaded, "Hi", 24)
+    assert result["text"] == text and result["generation_tokens"] == n
+    assert 0 < result["proposed"] <= 8 * result["cycles"]
+    bad = dflash(f"generate --model {target} --draft {draft} -m 4 --tree-budget 0", "Hi")
+    assert bad.returncode != 0 and "--tree-budget must be at least 1" in bad.stderr.splitlines()[-1]
