@@ -332,8 +332,10 @@ def _speculate(
         # then walk the target's choices and keep the accepted path in the caches.
 
         def launch_tree(last: int, n: int) -> tuple[Tree, int, mx.array, mx.array]:
-            """(the tree, the cache offset it starts at, the target's logits, its choices)."""
-            tree = Tree([last], [-1], [0])
+            """(the tree, the cache offset it starts at, the target's logits, its choices).
+
+            A tree is at most `tree_budget` deep: the drafter drafts no further."""
+            tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
                 logits = draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from threading import Lock
 from typing import Any
@@ -362,6 +362,7 @@ class TargetAdapter:
         for c in cache:
             c.trim(num_tokens)
 
+    @cached_property
     def ropes(self) -> list[nn.Module]:
         """The rotary embedding modules of the attention layers (each once)."""
         found = {}
@@ -382,7 +383,7 @@ class TargetAdapter:
                 f"its {kind} layers cannot keep just the accepted path of a tree; "
                 "use the chain (no --tree-budget)"
             )
-        if not self.ropes():
+        if not self.ropes:
             raise ValueError(
                 f"tree verification does not support target model type '{self.model_type}': "
                 "its attention has no `rope` module to give tree nodes their positions"
@@ -408,8 +409,7 @@ class TargetAdapter:
                 swapped.append((c, type(c)))
                 c.__class__ = _TreeMaskCache
                 c._dflash_tree = tree
-            ropes = self.ropes()
-            for rope in ropes:
+            for rope in self.ropes:
                 swapped.append((rope, type(rope)))
                 object.__setattr__(rope, "_dflash_tree", tree)
                 rope.__class__ = _tree_rope_class(type(rope))
@@ -418,7 +418,7 @@ class TargetAdapter:
             for obj, original in swapped:
                 obj.__class__ = original
                 object.__delattr__(obj, "_dflash_tree")
-        if not tree.masked or len(tree.roped) != len(ropes):
+        if not tree.masked or len(tree.roped) != len(self.ropes):
             raise ValueError(
                 f"tree verification does not support target model type '{self.model_type}': "
                 "its attention did not take the tree's positions and mask"
