@@ -190,9 +190,10 @@ def stream_generate(
     `tree_budget` verifies a tree of up to that many draft tokens per cycle
     instead of one chain (`tree.py`): the budget's most likely continuations
     under the drafter's per-position distributions, up to `block_size` - 1 deep,
-    all in one target forward; greedy only (sampling or logits processors use
-    the chain, with a warning), and only for targets whose layers all use a
-    plain KV cache.
+    all in one target forward, for targets whose layers all use a plain KV
+    cache. When sampling, a tree node is accepted when the target's own sample
+    at its parent is its token (the "match" rule, exact whatever `acceptance`
+    says); logits processors fall back to the chain, with a warning.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -200,7 +201,7 @@ def stream_generate(
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if draft is None and block_size not in (None, 1):
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
-    tree_budget = _tree_budget(tree_budget, draft, temperature, sampler, logits_processors)
+    tree_budget = _tree_budget(tree_budget, draft, logits_processors)
     if tree_budget and adaptive:
         raise ValueError("a tree budget and adaptive block sizes cannot be combined")
     lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
@@ -257,23 +258,18 @@ def stream_generate(
 
 
 def _tree_budget(
-    budget: int | None,
-    draft: DFlashDraft | None,
-    temperature: float,
-    sampler: Sampler | None,
-    processors: list[LogitsProcessor] | None,
+    budget: int | None, draft: DFlashDraft | None, processors: list[LogitsProcessor] | None
 ) -> int | None:
-    """The tree budget to use: None (the chain) where trees are not exact yet, with a warning."""
+    """The tree budget to use: None (the chain) with logits processors, with a warning."""
     if budget is None:
         return None
     if budget < 1:
         raise ValueError(f"tree_budget must be at least 1, got {budget}")
     if draft is None:
         raise ValueError("tree verification needs a drafter")
-    if temperature > 0 or sampler is not None or processors:
+    if processors:
         warnings.warn(
-            "tree verification is greedy-only (no sampling, no logits processors) for now; "
-            "verifying chains instead",
+            "tree verification does not take logits processors yet; verifying chains instead",
             stacklevel=3,
         )
         return None
@@ -350,7 +346,10 @@ def _speculate(
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
-            choices = mx.argmax(logits, axis=-1)
+            # The target's own choice at every node: its argmax, or its sample (a node is then
+            # accepted when the target's sample at its parent is the node's token: every
+            # committed token is the target's own sample, so the output is exact in distribution).
+            choices, _ = verifier.propose(logits)
             mx.async_eval(choices)
             return tree, start, logits, choices
 

@@ -9,13 +9,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import reference_greedy
+from mlx_lm.sample_utils import make_logits_processors
 from test_cli import dflash, greedy_text
 from test_families import FAMILIES, PROMPT, build, first_difference, prompt_of
 from test_generate import OracleDraft
+from test_sampling import (
+    SIGNIFICANCE,
+    NoisyBlockOracleDraft,
+    chi2_pvalue,
+    exact_marginals,
+    sample_runs,
+)
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import keep_path
+from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.tree import Tree, ancestor_mask, build_tree, walk
 
@@ -245,15 +254,37 @@ def test_tree_settings_refused_or_falling_back_to_the_chain(loaded):
         next(stream_generate(model, None, tokenizer, prompt, tree_budget=4))
     with pytest.raises(ValueError, match="cannot be combined"):
         next(stream_generate(model, draft, tokenizer, prompt, tree_budget=4, adaptive=True))
-    mx.random.seed(3)
-    chain, _ = run(model, draft, tokenizer, prompt, max_tokens=20, temperature=0.8)
-    mx.random.seed(3)
-    with pytest.warns(UserWarning, match="greedy-only.*verifying chains instead"):
-        sampled, responses = run(
-            model, draft, tokenizer, prompt, max_tokens=20, temperature=0.8, tree_budget=4
+    processors = make_logits_processors(repetition_penalty=1.3)
+    chain, _ = run(model, draft, tokenizer, prompt, max_tokens=20, logits_processors=processors)
+    with pytest.warns(UserWarning, match="logits processors yet; verifying chains instead"):
+        tokens, responses = run(
+            model,
+            draft,
+            tokenizer,
+            prompt,
+            max_tokens=20,
+            logits_processors=processors,
+            tree_budget=4,
         )
-    assert sampled == chain
+    assert tokens == chain
     assert responses[1].proposed == draft.config.block_size - 1  # a chain, not a 4-node tree
+
+
+@pytest.mark.slow
+def test_sampled_tree_is_exact_in_distribution(loaded):
+    """Tokens 2-4 come from accepted tree nodes or from the target's sample where no child
+    matched: each marginal must be the target's own."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    setting = dict(temperature=0.8, top_k=5, min_p=0.05)
+    prompt = [0, 39, 259, 28]
+    expected = exact_marginals(model, prompt, make_logprobs_transform(**setting), 4)
+    drafter = NoisyBlockOracleDraft(draft, model, prompt, seed=1)
+    mx.random.seed(5)
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 4, tree_budget=6, **setting)
+    counts = np.bincount(accepted, minlength=4)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2:].sum() > 0
+    for k in (1, 2, 3):
+        assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
 
 
 def test_cli_tree_budget_equals_greedy(make_pair, loaded):
