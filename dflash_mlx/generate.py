@@ -13,7 +13,6 @@ exactly the target's own greedy output.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from .draft import DFlashDraft
 from .rollback import keep_path, trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
 from .target import TargetAdapter
-from .tree import Tree, ancestor_mask, build_tree, walk
+from .tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 PREFILL_STEP = 2048
 
@@ -193,7 +192,7 @@ def stream_generate(
     all in one target forward, for targets whose layers all use a plain KV
     cache. When sampling, a tree node is accepted when the target's own sample
     at its parent is its token (the "match" rule, exact whatever `acceptance`
-    says); logits processors fall back to the chain, with a warning.
+    says); logits processors see each node's own path.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -201,7 +200,10 @@ def stream_generate(
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if draft is None and block_size not in (None, 1):
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
-    tree_budget = _tree_budget(tree_budget, draft, logits_processors)
+    if tree_budget is not None and tree_budget < 1:
+        raise ValueError(f"tree_budget must be at least 1, got {tree_budget}")
+    if tree_budget and draft is None:
+        raise ValueError("tree verification needs a drafter")
     if tree_budget and adaptive:
         raise ValueError("a tree budget and adaptive block sizes cannot be combined")
     lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
@@ -257,25 +259,6 @@ def stream_generate(
     )
 
 
-def _tree_budget(
-    budget: int | None, draft: DFlashDraft | None, processors: list[LogitsProcessor] | None
-) -> int | None:
-    """The tree budget to use: None (the chain) with logits processors, with a warning."""
-    if budget is None:
-        return None
-    if budget < 1:
-        raise ValueError(f"tree_budget must be at least 1, got {budget}")
-    if draft is None:
-        raise ValueError("tree verification needs a drafter")
-    if processors:
-        warnings.warn(
-            "tree verification does not take logits processors yet; verifying chains instead",
-            stacklevel=3,
-        )
-        return None
-    return budget
-
-
 def _speculate(
     target: TargetAdapter,
     draft: DFlashDraft | None,
@@ -327,42 +310,51 @@ def _speculate(
         # The tree cycle (`tree_budget`): draft, build the tree, verify all its nodes at once;
         # then walk the target's choices and keep the accepted path in the caches.
 
-        def launch_tree(last: int, n: int) -> tuple[Tree, int, mx.array, mx.array]:
-            """(the tree, the cache offset it starts at, the target's logits, its choices).
+        def launch_tree(last: int, n: int) -> tuple[Tree, int, mx.array, mx.array | None]:
+            """(the tree, the cache offset it starts at, the target's logits, its choices
+            or, with logits processors, None: those are made during the walk).
 
             A tree is at most `tree_budget` deep: the drafter drafts no further."""
             tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
                 logits = draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                k = min(tree_budget, logprobs.shape[-1])
-                top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-                top_logprobs = mx.take_along_axis(logprobs, top, axis=-1)
-                order = mx.argsort(-top_logprobs, axis=-1)
-                top = mx.take_along_axis(top, order, axis=-1)
-                top_logprobs = mx.take_along_axis(top_logprobs, order, axis=-1)
-                tree = build_tree(last, top.tolist(), top_logprobs.tolist(), tree_budget)
+                tree = build_tree(last, *top_candidates(logits, tree_budget), tree_budget)
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
             # The target's own choice at every node: its argmax, or its sample (a node is then
             # accepted when the target's sample at its parent is the node's token: every
             # committed token is the target's own sample, so the output is exact in distribution).
-            choices, _ = verifier.propose(logits)
-            mx.async_eval(choices)
+            # Logits processors see each node's own path: its choice is made during the walk.
+            choices = None if verifier.processors else verifier.propose(logits)[0]
+            mx.async_eval(logits if choices is None else choices)
             return tree, start, logits, choices
 
         def settle_tree(
-            tree: Tree, start: int, logits: mx.array, choices: mx.array
+            tree: Tree, start: int, logits: mx.array, choices: mx.array | None
         ) -> tuple[list[int], mx.array, int, int]:
             """Commit the accepted path: (tokens, their logits, accepted, proposed)."""
-            path, after = walk(tree, choices.tolist().__getitem__)
+            processed: dict[int, mx.array] = {}
+
+            def choose_processed(node: int) -> int:
+                context = prompt_cache.tokens + [tree.tokens[n] for n in tree.path(node)]
+                row = verifier.process(logits[node : node + 1], context, mx.array([], mx.uint32))
+                processed[node] = row
+                return verifier.propose(row)[0].item()
+
+            path, after = walk(
+                tree, choose_processed if choices is None else choices.tolist().__getitem__
+            )
+            if processed:
+                logits = mx.concatenate([processed[node] for node in path])
+            else:
+                logits = logits[mx.array(path)]
             keep_path(cache, start, path)
             append_context(path)
             tokens = [tree.tokens[node] for node in path]
             prompt_cache.tokens.extend(tokens)
-            return tokens[1:] + [after], logits[mx.array(path)], len(path) - 1, len(tree) - 1
+            return tokens[1:] + [after], logits, len(path) - 1, len(tree) - 1
 
         tic = time.perf_counter()
         # All but the last prompt token in chunks whose logits are never computed; then the

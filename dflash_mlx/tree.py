@@ -42,12 +42,30 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root down to `node`."""
+        nodes = [node]
+        while self.parents[nodes[-1]] >= 0:
+            nodes.append(self.parents[nodes[-1]])
+        return nodes[::-1]
+
     def children(self) -> list[dict[int, int]]:
         """For each node: token -> child node."""
         table: list[dict[int, int]] = [{} for _ in self.tokens]
         for node in range(1, len(self.tokens)):
             table[self.parents[node]][self.tokens[node]] = node
         return table
+
+
+def top_candidates(logits: mx.array, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's k most likely tokens and their log-probabilities, best first (one sync)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(k, logprobs.shape[-1])
+    top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    top_logprobs = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-top_logprobs, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    return top.tolist(), mx.take_along_axis(top_logprobs, order, axis=-1).tolist()
 
 
 def build_tree(

@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import reference_greedy
+from helpers import mlx_lm_greedy, reference_greedy
 from mlx_lm.sample_utils import make_logits_processors
 from test_cli import dflash, greedy_text
 from test_families import FAMILIES, PROMPT, build, first_difference, prompt_of
@@ -26,7 +26,7 @@ from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import keep_path
 from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
-from dflash_mlx.tree import Tree, ancestor_mask, build_tree, walk
+from dflash_mlx.tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 TREE_FAMILIES = ["llama", "qwen3", "qwen3_moe", "minimax", "kimi_k25"]
 REFUSED = {
@@ -58,17 +58,8 @@ def brute_force_best(logprobs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
     return {prefix for _, prefix in scored[:budget]}
 
 
-def ancestors(tree: Tree, node: int) -> list[int]:
-    """The nodes from the root's child down to `node`."""
-    path = []
-    while node > 0:
-        path.append(node)
-        node = tree.parents[node]
-    return path[::-1]
-
-
 def prefixes(tree: Tree) -> set[tuple[int, ...]]:
-    out = [tuple(tree.tokens[n] for n in ancestors(tree, node)) for node in range(1, len(tree))]
+    out = [tuple(tree.tokens[n] for n in tree.path(node)[1:]) for node in range(1, len(tree))]
     assert len(set(out)) == len(out)
     return set(out)
 
@@ -81,7 +72,11 @@ def test_tree_is_the_budget_best_prefixes(budget, seed):
     if seed == 2:  # tokens outside a draft vocabulary never enter the tree
         logits[:, 3] = -np.inf
     logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    tree = build_tree(99, *sorted_candidates(logprobs, budget), budget)
+    candidates = top_candidates(mx.array(logits), budget)
+    expected_tokens, expected_logprobs = sorted_candidates(logprobs, budget)
+    assert candidates[0] == expected_tokens
+    np.testing.assert_allclose(candidates[1], expected_logprobs, rtol=1e-5)
+    tree = build_tree(99, *candidates, budget)
     assert tree.tokens[0] == 99 and tree.parents[0] == -1 and tree.depths[0] == 0
     assert prefixes(tree) == brute_force_best(logprobs, budget)
     assert len(tree) == 1 + min(budget, len(brute_force_best(logprobs, 10**6)))
@@ -161,11 +156,11 @@ def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(famil
     assert all(c.offset == len(PROMPT) + len(tree) for c in cache)
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
     for node in [0, 1, deepest, len(tree) - 1]:
-        path = [0] + ancestors(tree, node)
+        path = tree.path(node)
         reference = target.make_cache()
         plain = model(mx.array(PROMPT + [tree.tokens[n] for n in path])[None], cache=reference)
         assert mx.allclose(logits[node], plain[0, -1], atol=1e-4, rtol=1e-4), node
-    path = [0] + ancestors(tree, deepest)
+    path = tree.path(deepest)
     assert path != list(range(len(path)))  # the path's K/V must move
     keep_path(cache, len(PROMPT), path)
     reference = target.make_cache()
@@ -245,7 +240,7 @@ def test_families_whose_caches_cannot_keep_a_path_are_refused(family, tokenizer,
         next(stream_generate(model, draft, tokenizer, PROMPT, tree_budget=4))
 
 
-def test_tree_settings_refused_or_falling_back_to_the_chain(loaded):
+def test_bad_tree_settings_are_refused(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     prompt = prompt_of(9, seed=4)
     with pytest.raises(ValueError, match="tree_budget must be at least 1"):
@@ -254,20 +249,30 @@ def test_tree_settings_refused_or_falling_back_to_the_chain(loaded):
         next(stream_generate(model, None, tokenizer, prompt, tree_budget=4))
     with pytest.raises(ValueError, match="cannot be combined"):
         next(stream_generate(model, draft, tokenizer, prompt, tree_budget=4, adaptive=True))
-    processors = make_logits_processors(repetition_penalty=1.3)
-    chain, _ = run(model, draft, tokenizer, prompt, max_tokens=20, logits_processors=processors)
-    with pytest.warns(UserWarning, match="logits processors yet; verifying chains instead"):
-        tokens, responses = run(
-            model,
-            draft,
-            tokenizer,
-            prompt,
-            max_tokens=20,
-            logits_processors=processors,
-            tree_budget=4,
-        )
-    assert tokens == chain
-    assert responses[1].proposed == draft.config.block_size - 1  # a chain, not a 4-node tree
+
+
+@pytest.mark.parametrize("budget", [4, 16])
+def test_tree_with_logits_processors_equals_mlx_lm(loaded, budget):
+    """Each node's logits are processed seeing its own path: greedy output and logprobs are
+    mlx-lm's with the same processors."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(40, seed=budget)
+    settings = dict(logit_bias={11: 2.0}, repetition_penalty=1.2, presence_penalty=0.5)
+    eos = set(tokenizer.eos_token_ids)
+    expected, logprobs = mlx_lm_greedy(model, prompt, 48, eos, **settings)
+    assert expected != mlx_lm_greedy(model, prompt, 48, eos)[0]  # the processors matter
+    tokens, responses = run(
+        model,
+        draft,
+        tokenizer,
+        prompt,
+        max_tokens=48,
+        logits_processors=make_logits_processors(**settings),
+        tree_budget=budget,
+    )
+    assert tokens == expected
+    ours = mx.concatenate([r.logprobs for r in responses])
+    np.testing.assert_allclose(np.array(ours), np.array(mx.stack(logprobs)), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.slow
