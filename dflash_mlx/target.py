@@ -257,33 +257,36 @@ class TreeForward:
         return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), self.visible], axis=1)
 
 
-class _TreeMaskCache(KVCache):
-    """A KVCache whose attention mask is the tree's (the class of a cache during a tree forward)."""
-
-    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
-        return self._dflash_tree.mask(self.offset, N)
+_TREE_CLASSES: dict[type, type] = {}
 
 
-_TREE_ROPES: dict[type, type] = {}
+def _tree_class(cls: type) -> type:
+    """The class a KV cache or a RoPE module has during a tree forward: a subclass of its own.
 
-
-def _tree_rope_class(cls: type) -> type:
-    """A subclass of a RoPE class that puts node i of a (1, heads, n, dim) input at positions[i].
-
-    mx.fast.rope takes one offset per batch row, so the node axis goes into the batch axis.
+    The cache's `make_mask` gives the tree's mask. The RoPE puts node i of a
+    (1, heads, n, dim) input at positions[i]: mx.fast.rope takes one offset per
+    batch row, so the node axis goes into the batch axis and back.
     """
-    if cls not in _TREE_ROPES:
+    if cls not in _TREE_CLASSES:
+        if issubclass(cls, KVCache):
 
-        def __call__(self, x, offset=0, *args, **kwargs):
-            tree = self._dflash_tree
-            if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
-                raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
-            tree.roped.add(id(self))
-            out = cls.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
-            return out.swapaxes(0, -2)
+            def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
+                return self._dflash_tree.mask(self.offset, N)
 
-        _TREE_ROPES[cls] = type(f"Tree{cls.__name__}", (cls,), {"__call__": __call__})
-    return _TREE_ROPES[cls]
+            body = {"make_mask": make_mask}
+        else:
+
+            def __call__(self, x, offset=0, *args, **kwargs):
+                tree = self._dflash_tree
+                if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
+                    raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
+                tree.roped.add(id(self))
+                out = cls.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
+                return out.swapaxes(0, -2)
+
+            body = {"__call__": __call__}
+        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (cls,), body)
+    return _TREE_CLASSES[cls]
 
 
 def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
@@ -375,7 +378,7 @@ class TargetAdapter:
     def check_tree(self, cache: list[Any]) -> None:
         """Raise a one-line ValueError when this model's caches or attention cannot verify trees."""
         kinds = {WindowKVCache: "sliding-window", RecurrentCache: "recurrent"}
-        other = next((c for c in cache if type(c) is not KVCache), None)
+        other = next((c for c in cache if not isinstance(c, KVCache)), None)
         if other is not None:
             kind = kinds.get(type(other), type(other).__name__)
             raise ValueError(
@@ -405,14 +408,10 @@ class TargetAdapter:
         tree = TreeForward(cache[0].offset + mx.array(depths), visible)
         swapped: list[tuple[Any, type]] = []
         try:
-            for c in cache:
-                swapped.append((c, type(c)))
-                c.__class__ = _TreeMaskCache
-                c._dflash_tree = tree
-            for rope in self.ropes:
-                swapped.append((rope, type(rope)))
-                object.__setattr__(rope, "_dflash_tree", tree)
-                rope.__class__ = _tree_rope_class(type(rope))
+            for obj in [*cache, *self.ropes]:
+                swapped.append((obj, type(obj)))
+                object.__setattr__(obj, "_dflash_tree", tree)
+                obj.__class__ = _tree_class(type(obj))
             yield tree
         finally:
             for obj, original in swapped:
