@@ -8,10 +8,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+import test_families
 from helpers import mlx_lm_greedy, reference_greedy
 from mlx_lm.sample_utils import make_logits_processors
 from test_cli import dflash, greedy_text
-from test_families import FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_families import FAMILIES, PROMPT, first_difference, prompt_of
 from test_generate import OracleDraft
 from test_sampling import (
     SIGNIFICANCE,
@@ -22,7 +23,6 @@ from test_sampling import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import keep_path
 from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
@@ -38,6 +38,7 @@ REFUSED = {
     "gemma4": "sliding-window",
 }
 MAX_TOKENS = 120
+family, tokenizer = test_families.family, test_families.tokenizer  # their fixtures, shared
 
 
 def sorted_candidates(logprobs: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -105,30 +106,6 @@ def test_ancestor_mask_and_walk():
     assert walk(tree, [8, 0, 5, 0, 0, 3].__getitem__) == ([0, 2, 5], 3)
     assert walk(tree, [7, 6, 0, 0, 4, 0].__getitem__) == ([0, 1, 4], 4)
     assert walk(tree, [1, 0, 0, 0, 0, 0].__getitem__) == ([0], 1)
-
-
-@pytest.fixture(scope="module")
-def family():
-    """(model, random drafter, mlx-lm's greedy continuation of PROMPT) per family, built once."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            model = build(name)
-            draft = init_draft(model, num_layers=2, block_size=16)
-            built[name] = model, draft, reference_greedy(model, PROMPT, MAX_TOKENS + 16, set())
-        return built[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def tokenizer(loaded):
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    wrapper = TokenizerWrapper(loaded("llama-tied-gqa")[1]._tokenizer)
-    wrapper.eos_token_ids = []
-    return wrapper
 
 
 def random_tree(seed: int, size: int, vocab: int) -> Tree:
