@@ -203,14 +203,14 @@ def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
 
     The K/V of tree node `nodes[i]` (at start + nodes[i]) moves to start + i and
     everything after the path is dropped, so the caches hold what a plain
-    forward over the path's tokens would have written. Plain KVCaches only
-    (`TargetAdapter.check_tree`).
+    forward over the path's tokens would have written. KVCaches and
+    WindowKVCaches (whose arrays begin at position `cache.start`).
     """
     kept = len(nodes)
-    if nodes != list(range(kept)):  # the path is not already in front
-        index = mx.array(nodes) + start
-        for c in caches:
-            c.keys[..., start : start + kept, :] = mx.take(c.keys, index, axis=2)
-            c.values[..., start : start + kept, :] = mx.take(c.values, index, axis=2)
     for c in caches:
+        first = start - getattr(c, "start", 0)  # the tree's first node in the arrays
+        if nodes != list(range(kept)):  # the path is not already in front
+            index = mx.array(nodes) + first
+            c.keys[..., first : first + kept, :] = mx.take(c.keys, index, axis=2)
+            c.values[..., first : first + kept, :] = mx.take(c.values, index, axis=2)
         c.trim(c.offset - start - kept)

@@ -249,12 +249,19 @@ class TreeForward:
     roped: set[int] = field(default_factory=set)
     masked: bool = False
 
-    def mask(self, offset: int, n: int) -> mx.array:
-        """(n, offset + n): every node sees the whole committed cache and its ancestors."""
+    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array:
+        """(n, offset - start + n) over the cached positions [start, offset) and the nodes:
+        every node sees the committed positions and its ancestors, those within `window`
+        positions of its own if a window is given."""
         if n != self.visible.shape[0]:
             raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
         self.masked = True
-        return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), self.visible], axis=1)
+        if window is None:
+            context, visible = mx.ones((n, offset - start), dtype=mx.bool_), self.visible
+        else:
+            context = self.positions[:, None] - mx.arange(start, offset)[None] < window
+            visible = self.visible & (self.positions[:, None] - self.positions[None] < window)
+        return mx.concatenate([context, visible], axis=1)
 
 
 _TREE_CLASSES: dict[type, type] = {}
@@ -271,7 +278,14 @@ def _tree_class(cls: type) -> type:
         if issubclass(cls, KVCache):
 
             def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
-                return self._dflash_tree.mask(self.offset, N)
+                return self._dflash_tree.mask(0, self.offset, N)
+
+            body = {"make_mask": make_mask}
+        elif issubclass(cls, WindowKVCache):
+
+            def make_mask(self, N: int, window_size: int | None = None, **kwargs: Any) -> mx.array:
+                start = self._first_visible()  # what update_and_fetch will keep
+                return self._dflash_tree.mask(start, self.offset, N, window_size or self.window)
 
             body = {"make_mask": make_mask}
         else:
@@ -377,10 +391,9 @@ class TargetAdapter:
 
     def check_tree(self, cache: list[Any]) -> None:
         """Raise a one-line ValueError when this model's caches or attention cannot verify trees."""
-        kinds = {WindowKVCache: "sliding-window", RecurrentCache: "recurrent"}
-        other = next((c for c in cache if not isinstance(c, KVCache)), None)
+        other = next((c for c in cache if not isinstance(c, KVCache | WindowKVCache)), None)
         if other is not None:
-            kind = kinds.get(type(other), type(other).__name__)
+            kind = "recurrent" if isinstance(other, RecurrentCache) else type(other).__name__
             raise ValueError(
                 f"tree verification does not support target model type '{self.model_type}': "
                 f"its {kind} layers cannot keep just the accepted path of a tree; "
