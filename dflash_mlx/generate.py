@@ -189,9 +189,10 @@ def stream_generate(
     `tree_budget` verifies a tree of up to that many draft tokens per cycle
     instead of one chain (`tree.py`): the budget's most likely continuations
     under the drafter's per-position distributions, up to `block_size` - 1 deep,
-    all in one target forward (not for targets with recurrent layers). When sampling, a tree node is accepted when the target's own sample
-    at its parent is its token (the "match" rule, exact whatever `acceptance`
-    says); logits processors see each node's own path.
+    all in one target forward (not for targets with recurrent layers). When
+    sampling, a tree node is accepted when the target's own sample at its
+    parent is its token (the "match" rule, exact whatever `acceptance` says);
+    logits processors see each node's own path.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
