@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import test_families
 from helpers import mlx_lm_greedy, reference_greedy
+from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors
 from test_cli import dflash, greedy_text
 from test_families import FAMILIES, PROMPT, first_difference, prompt_of
@@ -23,6 +24,7 @@ from test_sampling import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import keep_path
 from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
@@ -136,8 +138,10 @@ def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(famil
     tree = random_tree(seed=len(name), size=12, vocab=300)
     cache = target.make_cache()
     model(mx.array(PROMPT)[None], cache=cache)
+    classes = [type(x) for x in [*cache, *target.ropes]]
     with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
         logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
+    assert [type(x) for x in [*cache, *target.ropes]] == classes  # per instance, and restored
     assert all(c.offset == len(PROMPT) + len(tree) for c in cache)
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
     for node in [0, 1, deepest, len(tree) - 1]:
@@ -303,3 +307,24 @@ def test_sliding_window_target_keeps_a_prompt_cache_across_tree_turns(family, to
     assert tokens == reference_greedy(model, second, 40, set())
     assert responses[0].prompt_tokens == len(second)
     assert all(c.offset == len(cache.tokens) for c in cache.target + cache.draft)
+
+
+class CausalOnlyLlama(llama.LlamaModel):
+    """A backbone that builds its own causal mask instead of asking its cache for one."""
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, "causal" if h.shape[1] > 1 else None, cache=c)
+        return self.norm(h)
+
+
+def test_a_model_that_does_not_take_the_tree_mask_is_refused(tokenizer):
+    model = test_families.build("llama")
+    model.model.__class__ = CausalOnlyLlama  # this instance only
+    draft = init_draft(model, num_layers=1, block_size=4)
+    with pytest.raises(ValueError, match="'llama'.*did not take the tree's positions and mask"):
+        list(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=8, tree_budget=4))
+    assert run(model, draft, tokenizer, PROMPT, max_tokens=8)[0] == reference_greedy(
+        model, PROMPT, 8, set()
+    )  # the chain still works: the hooks were removed
