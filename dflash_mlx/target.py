@@ -13,6 +13,8 @@ recurrent cache, and gets its class back when the capture ends. No mlx-lm class
 is modified, so other models see mlx-lm unchanged. A model is captured by one
 generation at a time (a second is refused); forwards through caches other than
 the capture's (mlx-lm's own decoding of the same model) are not recorded.
+A tree forward (`tree_attention`) swaps the classes of the caches and RoPE
+modules the same way, for that one forward.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ its own position).
 The target then runs once over all nodes: each node sees the committed context
 and its ancestors (`ancestor_mask`) at the position of its depth. Walking the
 target's own choices down from the root gives the longest accepted path.
-Everything here is host-side arithmetic on small lists; the loop (`generate.py`)
-does the forwards.
+Past `top_candidates` (one sync), everything here is host-side arithmetic on
+small lists; the loop (`generate.py`) does the forwards.
 """
 
 from __future__ import annotations
