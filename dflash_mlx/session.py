@@ -99,6 +99,8 @@ def load_models(
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if args.tree_budget is not None and args.tree_budget < 1:
         raise ValueError(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    if args.tree_budget is not None and args.adaptive:
+        raise ValueError("--tree-budget and --adaptive cannot be combined (trees keep their size)")
     group = world_group()
     model, tokenizer = load(args.model, tensor_group=group)
     draft = (

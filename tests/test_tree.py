@@ -292,6 +292,11 @@ def test_cli_tree_budget_equals_greedy(make_pair, loaded):
     assert 0 < result["proposed"] <= 8 * result["cycles"]
     bad = dflash(f"generate --model {target} --draft {draft} -m 4 --tree-budget 0", "Hi")
     assert bad.returncode != 0 and "--tree-budget must be at least 1" in bad.stderr.splitlines()[-1]
+    both = dflash(f"chat --model {target} --draft {draft} --tree-budget 4 --adaptive", "")
+    assert both.returncode == 1
+    assert both.stderr.strip().endswith(
+        "--tree-budget and --adaptive cannot be combined (trees keep their size)"
+    )
 
 
 def test_sliding_window_target_keeps_a_prompt_cache_across_tree_turns(family, tokenizer):
