@@ -4,17 +4,20 @@ For each prompt, mlx-lm's own `stream_generate` and DFlash at every fixed block
 size in `--sizes` and with the adaptive choice (`adaptive.py`) run one after the
 other in one process (each after a short warm-up), so a burst of load on this
 shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
-τ, and the block sizes the adaptive policy chose.
+τ, a cycle's cost in mlx-lm decoding steps (τ / speedup), and the block sizes
+the adaptive policy chose. `--trees` adds tree verification at those budgets.
 
     python benchmarks/block_size.py                          # shipped SmolLM2 drafter
     python benchmarks/block_size.py --draft random           # a drafter that never helps
     python benchmarks/block_size.py --context 2048 --limit 2 # long prompts
+    python benchmarks/block_size.py --sizes 16 --trees 4,8,16,32  # chain vs tree
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections import Counter
 
@@ -38,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER), help="drafter dir or 'random'")
     parser.add_argument("--sizes", default="1,2,3,4,16", help="fixed block sizes to compare")
+    parser.add_argument("--trees", default="", help="tree budgets to compare, e.g. 4,8,16,32")
     parser.add_argument(
         "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
     )
@@ -57,13 +61,20 @@ def main() -> None:
         texts = [DEFAULT_PROMPT] + [p["prompt"] for p in load_prompts(PROMPTS_FILE)]
     prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
     sizes = [int(n) for n in args.sizes.split(",")]
-    variants = ["mlx-lm", *map(str, sizes), "adaptive"]
+    trees = [f"tree-{n}" for n in args.trees.split(",") if n]
+    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees]
+    print(f"load average at the start: {os.getloadavg()}", flush=True)
 
     def generate(variant: str, ids: list[int], n: int):
         if variant == "mlx-lm":
             return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
-        size = {"block_size": int(variant)} if variant != "adaptive" else {"adaptive": True}
-        return lambda: stream_generate(model, draft, tokenizer, ids, max_tokens=n, **size)
+        if variant == "adaptive":
+            setting = {"adaptive": True}
+        elif variant.startswith("tree-"):
+            setting = {"tree_budget": int(variant.removeprefix("tree-"))}
+        else:
+            setting = {"block_size": int(variant)}
+        return lambda: stream_generate(model, draft, tokenizer, ids, max_tokens=n, **setting)
 
     tps = {v: [] for v in variants}
     tau = {v: [] for v in variants[1:]}
@@ -87,12 +98,22 @@ def main() -> None:
             "speedup": statistics.mean(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
             "decode_tps": statistics.mean(tps[v]),
             "tau": statistics.mean(tau[v]) if v in tau else 1.0,
+            # a cycle's wall time in mlx-lm decoding steps: (1 / tok/s) * tau over 1 / mlx-lm's
+            "cycle_steps": statistics.mean(
+                t * m / d for t, m, d in zip(tau[v], tps["mlx-lm"], tps[v])
+            )
+            if v in tau
+            else 1.0,
         }
         for v in variants
     }
-    print(f"{'variant':>9} {'tok/s':>7} {'x mlx-lm':>9} {'tau':>5}")
+    print(f"load average at the end: {os.getloadavg()}")
+    print(f"{'variant':>9} {'tok/s':>7} {'x mlx-lm':>9} {'tau':>5} {'cycle/step':>10}")
     for v, s in summary.items():
-        print(f"{v:>9} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['tau']:5.2f}")
+        print(
+            f"{v:>9} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['tau']:5.2f} "
+            f"{s['cycle_steps']:10.2f}"
+        )
     share = {n: round(c / sum(chosen.values()), 3) for n, c in sorted(chosen.items())}
     print(f"adaptive block sizes (share of cycles): {share}")
     if args.out:

@@ -300,6 +300,7 @@ def bench(
     seed: int = 0,
     adaptive: bool | None = None,
     acceptance_rule: str = "speculative",
+    tree_budget: int | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Run the interleaved benchmark; the JSON-ready results (config left to the caller)."""
@@ -325,6 +326,7 @@ def bench(
             prompt_cache=cache,
             adaptive=adaptive,
             acceptance=acceptance_rule,
+            tree_budget=tree_budget,
         )
 
     encoded = [render(tokenizer, p["prompt"], chat) for p in prompts]
@@ -523,6 +525,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--acceptance", default="speculative", choices=RULES)
     parser.add_argument(
+        "--tree-budget", type=int, help="verify trees of up to N draft tokens (tree.py)"
+    )
+    parser.add_argument(
         "--draft-window", type=int, help="drafter attends to the last N context positions only"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -532,7 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "repeat", "draft_layers", "block_size", "limit"):
+    for name in ("max_tokens", "repeat", "draft_layers", "block_size", "limit", "tree_budget"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -580,6 +585,7 @@ def run(args: argparse.Namespace) -> None:
             seed=args.seed,
             adaptive=args.adaptive,
             acceptance_rule=args.acceptance,
+            tree_budget=args.tree_budget,
             log=log,
         )
     results = {
@@ -592,6 +598,7 @@ def run(args: argparse.Namespace) -> None:
             "temperature": args.temp,
             "adaptive": args.adaptive,
             "acceptance": args.acceptance,
+            "tree_budget": args.tree_budget,
             "draft_window": args.draft_window,
             "repeat": args.repeat,
             "chat_template": not args.no_chat_template,

@@ -25,9 +25,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .adaptive import AdaptiveBlock
 from .distributed import world_group
 from .draft import DFlashDraft
-from .rollback import trim_caches
+from .rollback import keep_path, trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
 from .target import TargetAdapter
+from .tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 PREFILL_STEP = 2048
 
@@ -161,6 +162,7 @@ def stream_generate(
     acceptance: str = "speculative",
     adaptive: bool | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
+    tree_budget: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -184,6 +186,13 @@ def stream_generate(
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
+    `tree_budget` verifies a tree of up to that many draft tokens per cycle
+    instead of one chain (`tree.py`): the budget's most likely continuations
+    under the drafter's per-position distributions, up to `block_size` - 1 deep,
+    all in one target forward (not for targets with recurrent layers). When
+    sampling, a tree node is accepted when the target's own sample at its
+    parent is its token (the "match" rule, exact whatever `acceptance` says);
+    logits processors see each node's own path.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -191,9 +200,21 @@ def stream_generate(
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if draft is None and block_size not in (None, 1):
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
+    if tree_budget is not None and tree_budget < 1:
+        raise ValueError(f"tree_budget must be at least 1, got {tree_budget}")
+    if tree_budget and draft is None:
+        raise ValueError("tree verification needs a drafter")
+    if tree_budget and adaptive:
+        raise ValueError("a tree budget and adaptive block sizes cannot be combined")
     lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
     if adaptive is None:
-        adaptive = block_size is None and temperature == 0 and sampler is None and not lockstep
+        adaptive = (
+            block_size is None
+            and temperature == 0
+            and sampler is None
+            and not lockstep
+            and not tree_budget
+        )
     elif adaptive and lockstep:
         raise ValueError("adaptive block sizes time each rank apart; they cannot run sharded")
     if block_size is None:
@@ -221,9 +242,20 @@ def stream_generate(
         prompt_cache = make_prompt_cache(model, draft)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
+    if tree_budget:
+        target.check_tree(prompt_cache.target)
     policy = AdaptiveBlock(block_size) if adaptive and block_size > 1 else None
     return _speculate(
-        target, draft, prompt_cache, tokenizer, prompt_ids, block_size, policy, max_tokens, verifier
+        target,
+        draft,
+        prompt_cache,
+        tokenizer,
+        prompt_ids,
+        block_size,
+        policy,
+        max_tokens,
+        verifier,
+        tree_budget,
     )
 
 
@@ -237,6 +269,7 @@ def _speculate(
     policy: AdaptiveBlock | None,
     max_tokens: int,
     verifier: Verifier,
+    tree_budget: int | None = None,
 ) -> Iterator[GenerationResponse]:
     model, cfg = target.model, draft.config if draft else None
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
@@ -249,11 +282,13 @@ def _speculate(
 
     with capture as captured, wired_limit(model):
 
-        def append_context(positions: int | None) -> None:
-            """Feed the drafter the captured features of the last forward's first `positions`."""
+        def append_context(positions: int | list[int] | None) -> None:
+            """Feed the drafter the captured features of the last forward's first `positions`
+            (or, after a tree, of the accepted path's nodes)."""
             if draft is not None:
                 features = mx.concatenate([captured[i] for i in cfg.target_layer_ids], axis=-1)
-                draft.append_context(features[:, :positions], draft_cache)
+                rows = mx.array(positions) if isinstance(positions, list) else slice(positions)
+                draft.append_context(features[:, rows], draft_cache)
 
         def launch(last: int, n: int) -> tuple[mx.array, Verdict]:
             """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
@@ -271,6 +306,55 @@ def _speculate(
             verdict = verifier.verify(drafts, draft_logprobs, logits, context)
             mx.async_eval(drafts, verdict.choices, verdict.matches)
             return drafts, verdict
+
+        # The tree cycle (`tree_budget`): draft, build the tree, verify all its nodes at once;
+        # then walk the target's choices and keep the accepted path in the caches.
+
+        def launch_tree(last: int, n: int) -> tuple[Tree, int, mx.array, mx.array | None]:
+            """(the tree, the cache offset it starts at, the target's logits, its choices
+            or, with logits processors, None: those are made during the walk).
+
+            A tree is at most `tree_budget` deep: the drafter drafts no further."""
+            tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
+            if n > 1:
+                block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
+                logits = draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)
+                tree = build_tree(last, *top_candidates(logits, tree_budget), tree_budget)
+            start = cache[0].offset
+            with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
+                logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
+            # The target's own choice at every node: its argmax, or its sample (a node is then
+            # accepted when the target's sample at its parent is the node's token: every
+            # committed token is the target's own sample, so the output is exact in distribution).
+            # Logits processors see each node's own path: its choice is made during the walk.
+            choices = None if verifier.processors else verifier.propose(logits)[0]
+            mx.async_eval(logits if choices is None else choices)
+            return tree, start, logits, choices
+
+        def settle_tree(
+            tree: Tree, start: int, logits: mx.array, choices: mx.array | None
+        ) -> tuple[list[int], mx.array, int, int]:
+            """Commit the accepted path: (tokens, their logits, accepted, proposed)."""
+            processed: dict[int, mx.array] = {}
+
+            def choose_processed(node: int) -> int:
+                context = prompt_cache.tokens + [tree.tokens[n] for n in tree.path(node)]
+                row = verifier.process(logits[node : node + 1], context, mx.array([], mx.uint32))
+                processed[node] = row
+                return verifier.propose(row)[0].item()
+
+            path, after = walk(
+                tree, choose_processed if choices is None else choices.tolist().__getitem__
+            )
+            if processed:
+                logits = mx.concatenate([processed[node] for node in path])
+            else:
+                logits = logits[mx.array(path)]
+            keep_path(cache, start, path)
+            append_context(path)
+            tokens = [tree.tokens[node] for node in path]
+            prompt_cache.tokens.extend(tokens)
+            return tokens[1:] + [after], logits, len(path) - 1, len(tree) - 1
 
         tic = time.perf_counter()
         # All but the last prompt token in chunks whose logits are never computed; then the
@@ -299,7 +383,10 @@ def _speculate(
             )
             if not finish:
                 n = min(policy.next_block_size() if policy else block_size, max_tokens - generated)
-                drafts, verdict = launch(committed[-1], n)
+                if tree_budget:
+                    pending_tree = launch_tree(committed[-1], n)
+                else:
+                    drafts, verdict = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -320,6 +407,9 @@ def _speculate(
             )
             if finish:
                 return
+            if tree_budget:
+                committed, committed_logits, accepted, proposed = settle_tree(*pending_tree)
+                continue
 
             draft_ids, match_flags = drafts.tolist(), verdict.matches.tolist()
             proposed, accepted = n - 1, 0

@@ -196,3 +196,21 @@ def _can_trim(cache: Any, n: int) -> bool:
     """Ours know how far they can go back; mlx-lm's say whether they can at all."""
     can_trim = getattr(cache, "can_trim", None)
     return can_trim(n) if can_trim else cache.is_trimmable()
+
+
+def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
+    """After a tree forward from position `start`: keep only the accepted path.
+
+    The K/V of tree node `nodes[i]` (at start + nodes[i]) moves to start + i and
+    everything after the path is dropped, so the caches hold what a plain
+    forward over the path's tokens would have written. KVCaches and
+    WindowKVCaches (whose arrays begin at position `cache.start`).
+    """
+    kept = len(nodes)
+    for c in caches:
+        first = start - getattr(c, "start", 0)  # the tree's first node in the arrays
+        if nodes != list(range(kept)):  # the path is not already in front
+            index = mx.array(nodes) + first
+            c.keys[..., first : first + kept, :] = mx.take(c.keys, index, axis=2)
+            c.values[..., first : first + kept, :] = mx.take(c.values, index, axis=2)
+        c.trim(c.offset - start - kept)

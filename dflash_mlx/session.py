@@ -38,6 +38,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     )
     parser.add_argument("--block-size", type=int, help="tokens per verify cycle (drafter's)")
     parser.add_argument(
+        "--tree-budget",
+        type=int,
+        help="verify a tree of up to N draft tokens per cycle, --block-size - 1 deep "
+        "(greedy; sampling verifies chains)",
+    )
+    parser.add_argument(
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
     )
     parser.add_argument(
@@ -110,6 +116,10 @@ def load_models(
         raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise ValueError(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    if args.tree_budget is not None and args.adaptive:
+        raise ValueError("--tree-budget and --adaptive cannot be combined (trees keep their size)")
     group = world_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
@@ -157,6 +167,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         min_p=args.min_p,
         acceptance=args.acceptance,
         adaptive=args.adaptive,
+        tree_budget=args.tree_budget,
     )
 
 

@@ -13,13 +13,16 @@ recurrent cache, and gets its class back when the capture ends. No mlx-lm class
 is modified, so other models see mlx-lm unchanged. A model is captured by one
 generation at a time (a second is refused); forwards through caches other than
 the capture's (mlx-lm's own decoding of the same model) are not recorded.
+A tree forward (`tree_attention`) swaps the classes of the caches and RoPE
+modules the same way, for that one forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
 from threading import Lock
 from typing import Any
@@ -286,6 +289,74 @@ class _PipelineSink(dict):
         return self.gathered[1][..., k * width : (k + 1) * width]
 
 
+@dataclass
+class TreeForward:
+    """What a tree forward's hooks hand to the model: each node's position and what it sees.
+
+    `positions` (n,) are absolute (the cache offset + the node's depth); `visible`
+    (n, n) is the ancestor mask among the nodes. The counters show afterwards
+    whether the model took both (see `TargetAdapter.tree_attention`).
+    """
+
+    positions: mx.array
+    visible: mx.array
+    roped: set[int] = field(default_factory=set)
+    masked: bool = False
+
+    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array:
+        """(n, offset - start + n) over the cached positions [start, offset) and the nodes:
+        every node sees the committed positions and its ancestors, those within `window`
+        positions of its own if a window is given."""
+        if n != self.visible.shape[0]:
+            raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
+        self.masked = True
+        if window is None:
+            context, visible = mx.ones((n, offset - start), dtype=mx.bool_), self.visible
+        else:
+            context = self.positions[:, None] - mx.arange(start, offset)[None] < window
+            visible = self.visible & (self.positions[:, None] - self.positions[None] < window)
+        return mx.concatenate([context, visible], axis=1)
+
+
+_TREE_CLASSES: dict[type, type] = {}
+
+
+def _tree_class(cls: type) -> type:
+    """The class a KV cache or a RoPE module has during a tree forward: a subclass of its own.
+
+    The cache's `make_mask` gives the tree's mask. The RoPE puts node i of a
+    (1, heads, n, dim) input at positions[i]: mx.fast.rope takes one offset per
+    batch row, so the node axis goes into the batch axis and back.
+    """
+    if cls not in _TREE_CLASSES:
+        if issubclass(cls, KVCache):
+
+            def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
+                return self._dflash_tree.mask(0, self.offset, N)
+
+            body = {"make_mask": make_mask}
+        elif issubclass(cls, WindowKVCache):
+
+            def make_mask(self, N: int, window_size: int | None = None, **kwargs: Any) -> mx.array:
+                start = self._first_visible()  # what update_and_fetch will keep
+                return self._dflash_tree.mask(start, self.offset, N, window_size or self.window)
+
+            body = {"make_mask": make_mask}
+        else:
+
+            def __call__(self, x, offset=0, *args, **kwargs):
+                tree = self._dflash_tree
+                if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
+                    raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
+                tree.roped.add(id(self))
+                out = cls.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
+                return out.swapaxes(0, -2)
+
+            body = {"__call__": __call__}
+        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (cls,), body)
+    return _TREE_CLASSES[cls]
+
+
 def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
     """The full-vocabulary logits of a vocabulary-sharded LM head, on every rank."""
     return gather_last_axis(head(x), head.group)
@@ -366,6 +437,63 @@ class TargetAdapter:
         """
         for c in cache:
             c.trim(num_tokens)
+
+    @cached_property
+    def ropes(self) -> list[nn.Module]:
+        """The rotary embedding modules of the attention layers (each once)."""
+        found = {}
+        for layer in self.layers:
+            for name, module in layer.named_modules():
+                if name.rpartition(".")[2] == "rope":
+                    found[id(module)] = module
+        return list(found.values())
+
+    def check_tree(self, cache: list[Any]) -> None:
+        """Raise a one-line ValueError when this model's caches or attention cannot verify trees."""
+        other = next((c for c in cache if not isinstance(c, KVCache | WindowKVCache)), None)
+        if other is not None:
+            kind = "recurrent" if isinstance(other, RecurrentCache) else type(other).__name__
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                f"its {kind} layers cannot keep just the accepted path of a tree; "
+                "use the chain (no --tree-budget)"
+            )
+        if not self.ropes:
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                "its attention has no `rope` module to give tree nodes their positions"
+            )
+
+    @contextmanager
+    def tree_attention(self, cache: list[Any], depths: list[int], visible: mx.array) -> Iterator:
+        """Make the next forward through `cache` a tree forward, per instance.
+
+        Its inputs are tree nodes: node i is placed at the cache offset + `depths[i]`
+        and sees the committed cache and the nodes `visible[i]` (its ancestors).
+        The model code runs unchanged: the caches' class is swapped for one whose
+        `make_mask` gives the tree mask and each attention's RoPE for one that
+        takes per-node positions (mlx-lm's attention asks `cache.make_mask` for
+        its mask and ropes at `cache.offset`); both get their classes back after.
+        A model that took neither (its attention computes them otherwise) is
+        refused after the forward, before anything is read from it.
+        """
+        tree = TreeForward(cache[0].offset + mx.array(depths), visible)
+        swapped: list[tuple[Any, type]] = []
+        try:
+            for obj in [*cache, *self.ropes]:
+                swapped.append((obj, type(obj)))
+                object.__setattr__(obj, "_dflash_tree", tree)
+                obj.__class__ = _tree_class(type(obj))
+            yield tree
+        finally:
+            for obj, original in swapped:
+                obj.__class__ = original
+                object.__delattr__(obj, "_dflash_tree")
+        if not tree.masked or len(tree.roped) != len(self.ropes):
+            raise ValueError(
+                f"tree verification does not support target model type '{self.model_type}': "
+                "its attention did not take the tree's positions and mask"
+            )
 
     @contextmanager
     def capture(

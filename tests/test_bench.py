@@ -90,6 +90,16 @@ def test_oracle_drafter_is_fully_accepted_and_instances_restored(loaded):
     assert (type(model), type(oracle)) == classes
 
 
+def test_tree_budget_bench_is_identical_to_ar_with_every_part_timed(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = {"id": "p", "category": "", "prompt": "def add(a, b):"}
+    results = bench.bench(model, tokenizer, draft, [prompt], tree_budget=4, max_tokens=30)
+    (r,) = results["prompts"]
+    assert r["identical"] and r["dflash"]["generated_tokens"] == 30
+    assert r["split_ms"]["verify"] > 0 and r["split_ms"]["draft"] > 0
+    assert max(len(r["acceptance"]["per_position"]), 1) <= 4  # at most 4 nodes per tree
+
+
 def test_divergence_reports_first_index_and_top2_gap(loaded):
     model, tokenizer, _ = loaded("llama-tied-gqa")
     ids = render(tokenizer, "The quick brown fox", chat=False)

@@ -1,0 +1,126 @@
+"""Draft trees (DDTree): many candidate continuations verified in one target forward.
+
+The drafter's block gives a distribution q_t for every position t after the
+last committed token (the root). Treating the positions as independent given
+the root, a prefix x_1..x_d scores sum_t log q_t(x_t); the tree is the `budget`
+best prefixes. Scores only fall along a path, so those prefixes form a tree,
+and a best-first search over sorted per-position candidates finds them in
+O(budget log budget): a node's successors in the search are its first child
+(the top token at the next position) and its next sibling (the next token at
+its own position).
+
+The target then runs once over all nodes: each node sees the committed context
+and its ancestors (`ancestor_mask`) at the position of its depth. Walking the
+target's own choices down from the root gives the longest accepted path.
+Past `top_candidates` (one sync), everything here is host-side arithmetic on
+small lists; the loop (`generate.py`) does the forwards.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass
+class Tree:
+    """Nodes in an order where every parent comes before its children; node 0 is the root.
+
+    `tokens[i]` is node i's token, `parents[i]` its parent (-1 for the root),
+    `depths[i]` its distance from the root (the position after the last
+    committed token it stands for).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root down to `node`."""
+        nodes = [node]
+        while self.parents[nodes[-1]] >= 0:
+            nodes.append(self.parents[nodes[-1]])
+        return nodes[::-1]
+
+    def children(self) -> list[dict[int, int]]:
+        """For each node: token -> child node."""
+        table: list[dict[int, int]] = [{} for _ in self.tokens]
+        for node in range(1, len(self.tokens)):
+            table[self.parents[node]][self.tokens[node]] = node
+        return table
+
+
+def top_candidates(logits: mx.array, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's k most likely tokens and their log-probabilities, best first (one sync)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(k, logprobs.shape[-1])
+    top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    top_logprobs = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-top_logprobs, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    return top.tolist(), mx.take_along_axis(top_logprobs, order, axis=-1).tolist()
+
+
+def build_tree(
+    root: int, top_tokens: list[list[int]], top_logprobs: list[list[float]], budget: int
+) -> Tree:
+    """The tree of the `budget` highest-scoring prefixes (plus the root).
+
+    `top_tokens[t]` / `top_logprobs[t]`: the drafter's candidates for position
+    t + 1 after the root, best first. Candidates of probability 0 (-inf, e.g.
+    outside a draft vocabulary) never enter the tree.
+    """
+    tree = Tree([root], [-1], [0])
+    scores = [0.0]
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent, position, rank)
+    order = itertools.count()  # ties go to the earlier candidate
+
+    def push(parent: int, position: int, rank: int) -> None:
+        if position < len(top_tokens) and rank < len(top_tokens[position]):
+            score = scores[parent] + top_logprobs[position][rank]
+            if score > -float("inf"):
+                heapq.heappush(heap, (-score, next(order), parent, position, rank))
+
+    push(0, 0, 0)
+    while heap and len(tree) <= budget:
+        negative, _, parent, position, rank = heapq.heappop(heap)
+        tree.tokens.append(top_tokens[position][rank])
+        tree.parents.append(parent)
+        tree.depths.append(position + 1)
+        scores.append(-negative)
+        push(parent, position, rank + 1)
+        push(len(tree) - 1, position + 1, 0)
+    return tree
+
+
+def ancestor_mask(parents: list[int]) -> mx.array:
+    """(n, n) bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    rows: list[list[bool]] = []
+    for node, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [False] * len(parents)
+        row[node] = True
+        rows.append(row)
+    return mx.array(rows)
+
+
+def walk(tree: Tree, choose: Callable[[int], int]) -> tuple[list[int], int]:
+    """(the accepted path's nodes from the root, the target's token after its last node).
+
+    `choose(node)` is the target's token after node's prefix; the walk follows
+    the child holding it until there is none.
+    """
+    children = tree.children()
+    path = [0]
+    while True:
+        token = choose(path[-1])
+        child = children[path[-1]].get(token)
+        if child is None:
+            return path, token
+        path.append(child)
