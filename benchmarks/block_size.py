@@ -28,6 +28,7 @@ import mlx_lm
 from long_context import long_prompt
 
 from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.adaptive import AdaptiveBlock
 from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
@@ -58,11 +59,13 @@ def main() -> None:
     prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
     sizes = [int(n) for n in args.sizes.split(",")]
     variants = ["mlx-lm", *map(str, sizes), "adaptive"]
+    # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
+    adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
 
     def generate(variant: str, ids: list[int], n: int):
         if variant == "mlx-lm":
             return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
-        size = {"block_size": int(variant)} if variant != "adaptive" else {"adaptive": True}
+        size = {"block_size": int(variant)} if variant != "adaptive" else adapting
         return lambda: stream_generate(model, draft, tokenizer, ids, max_tokens=n, **size)
 
     tps = {v: [] for v in variants}
