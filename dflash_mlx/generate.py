@@ -281,7 +281,7 @@ def _speculate(
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:
                 drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
-            logits = model(verify[None], cache=cache)[0]
+            logits = target.forward(verify, cache)
             verdict = verifier.verify(drafts, draft_logprobs, logits, context)
             mx.async_eval(drafts, verdict.choices, verdict.matches)
             return drafts, verdict

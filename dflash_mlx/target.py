@@ -13,6 +13,12 @@ recurrent cache, and gets its class back when the capture ends. No mlx-lm class
 is modified, so other models see mlx-lm unchanged. A model is captured by one
 generation at a time (a second is refused); forwards through caches other than
 the capture's (mlx-lm's own decoding of the same model) are not recorded.
+
+The verify forward (`TargetAdapter.forward` over several positions, on the
+CPU) swaps the float32 `nn.Linear` layers and the tied LM head, while its graph
+is built, to classes that compute `x @ W.T` as `(W @ x.T).T`, and back right
+after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here, the
+transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward").
 """
 
 from __future__ import annotations
@@ -185,6 +191,29 @@ def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_position
     cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
+def _rowwise_matmul(weight: mx.array, x: mx.array) -> mx.array:
+    """`x @ weight.T` as `(weight @ rows.T).T` (cheaper in OpenBLAS for a few rows)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return (weight @ rows.T).T.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _RowwiseLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            rows = x.reshape(-1, x.shape[-1])
+            out = mx.addmm(self.bias[:, None], self.weight, rows.T).T
+            return out.reshape(*x.shape[:-1], -1)
+        return _rowwise_matmul(self.weight, x)
+
+
+class _RowwiseEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _rowwise_matmul(self.weight, x)
+
+
+_ROWWISE = {nn.Linear: _RowwiseLinear, nn.Embedding: _RowwiseEmbedding}
+
+
 def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array], mx.array]:
     """`head` (an LM head or a tied embedding) over the rows `token_ids` only.
 
@@ -256,6 +285,31 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
+        self._rowwise: list[nn.Module] | None = None
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
+
+        Over several positions on the CPU the float32 linear layers take the
+        product the cheaper way round for a few rows (see the module docstring).
+        """
+        if tokens.size == 1 or mx.default_device() != mx.cpu:
+            return self.model(tokens[None], cache=cache)[0]
+        if self._rowwise is None:
+            self._rowwise = [
+                m
+                for _, m in self.model.named_modules()
+                if type(m) in _ROWWISE and m.weight.dtype == mx.float32
+            ]
+        hooked = [(m, type(m)) for m in self._rowwise if type(m) in _ROWWISE]
+        with _HOOKING:  # graph building only: the classes are back before anything runs
+            for m, cls in hooked:
+                m.__class__ = _ROWWISE[cls]
+            try:
+                return self.model(tokens[None], cache=cache)[0]
+            finally:
+                for m, cls in hooked:
+                    m.__class__ = cls
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
