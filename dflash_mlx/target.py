@@ -15,10 +15,11 @@ generation at a time (a second is refused); forwards through caches other than
 the capture's (mlx-lm's own decoding of the same model) are not recorded.
 
 The verify forward (`TargetAdapter.forward` over several positions, on the
-CPU) swaps the float32 `nn.Linear` layers and the tied LM head, while its graph
-is built, to classes that compute `x @ W.T` as `(W @ x.T).T`, and back right
-after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here, the
-transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward").
+CPU) swaps the float32 `nn.Linear` layers of the transformer blocks, while its
+graph is built, to a class that computes `x @ W.T` as `(W @ x.T).T`, and back
+right after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here,
+the transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward"). The
+LM head keeps mlx-lm's product: over 16 rows that one is the faster.
 """
 
 from __future__ import annotations
@@ -191,27 +192,16 @@ def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_position
     cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
-def _rowwise_matmul(weight: mx.array, x: mx.array) -> mx.array:
-    """`x @ weight.T` as `(weight @ rows.T).T` (cheaper in OpenBLAS for a few rows)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return (weight @ rows.T).T.reshape(*x.shape[:-1], weight.shape[0])
-
-
 class _RowwiseLinear(nn.Linear):
+    """`x @ W.T (+ b)` as `(W @ x.T).T`: cheaper in OpenBLAS for a few rows."""
+
     def __call__(self, x: mx.array) -> mx.array:
+        rows = x.reshape(-1, x.shape[-1]).T
         if "bias" in self:
-            rows = x.reshape(-1, x.shape[-1])
-            out = mx.addmm(self.bias[:, None], self.weight, rows.T).T
-            return out.reshape(*x.shape[:-1], -1)
-        return _rowwise_matmul(self.weight, x)
-
-
-class _RowwiseEmbedding(nn.Embedding):
-    def as_linear(self, x: mx.array) -> mx.array:
-        return _rowwise_matmul(self.weight, x)
-
-
-_ROWWISE = {nn.Linear: _RowwiseLinear, nn.Embedding: _RowwiseEmbedding}
+            out = mx.addmm(self.bias[:, None], self.weight, rows)
+        else:
+            out = self.weight @ rows
+        return out.T.reshape(*x.shape[:-1], -1)
 
 
 def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array], mx.array]:
@@ -298,18 +288,19 @@ class TargetAdapter:
         if self._rowwise is None:
             self._rowwise = [
                 m
-                for _, m in self.model.named_modules()
-                if type(m) in _ROWWISE and m.weight.dtype == mx.float32
+                for layer in self.layers
+                for m in layer.modules()
+                if type(m) is nn.Linear and m.weight.dtype == mx.float32
             ]
-        hooked = [(m, type(m)) for m in self._rowwise if type(m) in _ROWWISE]
+        hooked = [m for m in self._rowwise if type(m) is nn.Linear]
         with _HOOKING:  # graph building only: the classes are back before anything runs
-            for m, cls in hooked:
-                m.__class__ = _ROWWISE[cls]
+            for m in hooked:
+                m.__class__ = _RowwiseLinear
             try:
                 return self.model(tokens[None], cache=cache)[0]
             finally:
-                for m, cls in hooked:
-                    m.__class__ = cls
+                for m in hooked:
+                    m.__class__ = nn.Linear
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
