@@ -31,6 +31,7 @@ import mlx_lm
 from long_context import long_prompt
 
 from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.adaptive import AdaptiveBlock
 from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
@@ -64,12 +65,14 @@ def main() -> None:
     trees = [f"tree-{n}" for n in args.trees.split(",") if n]
     variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees]
     print(f"load average at the start: {os.getloadavg()}", flush=True)
+    # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
+    adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
 
     def generate(variant: str, ids: list[int], n: int):
         if variant == "mlx-lm":
             return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
         if variant == "adaptive":
-            setting = {"adaptive": True}
+            setting = adapting
         elif variant.startswith("tree-"):
             setting = {"tree_budget": int(variant.removeprefix("tree-"))}
         else:

@@ -20,11 +20,11 @@ it measures, in ms and in mlx-lm decoding steps:
   reported), counting only cycles that verify a full block; split into the drafter's
   forward and the verify forward, each timed on its own (built, evaluated, argmax read),
   and the host: cycle - draft - verify;
-- the target forward over 1, 2, 4, 8, 16 new positions after the prompt (the cache is
-  trimmed back after each), by part. A part costs the full forward minus the same forward
-  with that part replaced, on this model instance only and for that measurement only, by a
-  stand-in of the same output shape that does no work (its input, or its input's
-  first feature repeated):
+- the target forward over 1, 2, 4, 8, 16 new positions after the prompt, as the loop
+  verifies (`TargetAdapter.forward`; the cache is trimmed back after each), by part. A
+  part costs the full forward minus the same forward with that part replaced, on this
+  model instance only and for that measurement only, by a stand-in of the same output
+  shape that does no work (its input, or its input's first feature repeated):
   attention = the whole attention block (q/k/v/o projections, q/k norms, RoPE, cache
   update, SDPA), of which the q/k/v/o projections; the MLPs; norms and RoPE (every RMSNorm
   and RoPE, so it overlaps the attention block); the LM head; other = full - attention -
@@ -370,10 +370,11 @@ class CycleCost:
         return 1e3 * (time.perf_counter() - tic)
 
     def forward(self, n: int) -> tuple[float, float]:
-        """(ms to build the graph, ms in all) of one target forward over n new positions."""
+        """(ms to build the graph, ms in all) of one target forward over n new positions,
+        the loop's verify forward (`TargetAdapter.forward`)."""
         offsets = [c.offset for c in self.cache]
         tic = time.perf_counter()
-        tokens = mx.argmax(self.model(self.inputs[n], cache=self.cache)[0], axis=-1)
+        tokens = mx.argmax(self.target.forward(self.inputs[n][0], self.cache), axis=-1)
         built = time.perf_counter()
         tokens.tolist()
         done = time.perf_counter()

@@ -17,6 +17,14 @@ measured as the loop runs:
   Now and then a neighbour of the best size is re-measured, so the costs follow
   the context (attention grows with it) and the machine's load; the gap between
   such probes doubles (up to `max_probe_gap` cycles) while the best size holds.
+  While plain decoding is best the gap stays short (`plain_probe_gap`): plain
+  steps say nothing about the drafter, so only probes notice that the text
+  turned to something it drafts well.
+
+A policy is worth keeping across generations of the same target and drafter
+(`stream_generate(block_policy=...)`, or a `PromptCache`, carries it): the
+costs and acceptance it learned hold for the next reply too, so it does not
+spend each reply's first cycles relearning them.
 
 On a CPU, where verifying 16 positions costs twice a decoding step, this settles
 on 2–4; on a GPU with a strong drafter it keeps the full block. The block size
@@ -43,6 +51,7 @@ class AdaptiveBlock:
     first_rate: float = 0.5  # prior acceptance of the first draft
     min_probe_gap: int = 8
     max_probe_gap: int = 64
+    plain_probe_gap: int = 16  # the longest gap between probes while block 1 is best
     sizes: list[int] = field(init=False)
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -103,7 +112,8 @@ class AdaptiveBlock:
         if self.cycles < self.next_probe:
             return best
         self.next_probe = self.cycles + self.probe_gap
-        self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+        longest = self.max_probe_gap if best > 1 else self.plain_probe_gap
+        self.probe_gap = min(2 * self.probe_gap, longest)
         self.probes += 1
         i = self.sizes.index(best)  # alternately the next larger and the next smaller size
         up = (self.probes % 2 or i == 0) and i < len(self.sizes) - 1

@@ -37,6 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import AdaptiveBlock
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
@@ -308,6 +309,7 @@ def bench(
         tokenizer = TokenizerWrapper(tokenizer)
     max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
+    policy = AdaptiveBlock(max_block)  # when adapting, each prompt goes on from the last
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(
@@ -327,6 +329,7 @@ def bench(
             adaptive=adaptive,
             acceptance=acceptance_rule,
             tree_budget=tree_budget,
+            block_policy=policy,
         )
 
     encoded = [render(tokenizer, p["prompt"], chat) for p in prompts]

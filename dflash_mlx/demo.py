@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
+from .adaptive import AdaptiveBlock
 from .bench import measure, throughput
 from .chat_format import render
 from .checkpoint import load_draft
@@ -55,8 +56,10 @@ def run(args: argparse.Namespace) -> None:
     draft = load_draft(args.draft)
     ids = render(tokenizer, args.prompt, chat=True)
 
+    policy = AdaptiveBlock(draft.config.block_size)  # the warm-up's costs carry over
+
     def dflash(n: int, echo: bool = False):
-        responses = stream_generate(model, draft, tokenizer, ids, max_tokens=n)
+        responses = stream_generate(model, draft, tokenizer, ids, max_tokens=n, block_policy=policy)
         return _echo(responses) if echo else responses
 
     def ar(n: int):

@@ -75,12 +75,14 @@ class PromptCache:
 
     `tokens` are the positions both caches hold. A later prompt that starts with
     them is prefilled only from where it differs; anything beyond (a reply cut
-    short, a re-rendered template) is trimmed away first.
+    short, a re-rendered template) is trimmed away first. `block_policy` is what
+    the adaptive block size learned so far, so the next call goes on from it.
     """
 
     target: list
     draft: list
     tokens: list[int] = field(default_factory=list)
+    block_policy: AdaptiveBlock | None = None
 
     def reuse(self, prompt: list[int]) -> int:
         """Trim both caches to the longest prefix shared with `prompt`; return its length.
@@ -163,6 +165,7 @@ def stream_generate(
     adaptive: bool | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     tree_budget: int | None = None,
+    block_policy: AdaptiveBlock | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -183,6 +186,9 @@ def stream_generate(
     depends on its size, so by default it adapts only for greedy decoding with
     no `block_size` given: a seeded sampled run stays reproducible. Under
     `mlx.launch` it never adapts: every rank must run the same cycles.
+    `block_policy` (an `AdaptiveBlock` for this block size) keeps what adapting
+    learned: pass the same one to successive calls with one target and drafter
+    so that each starts from the last (a `prompt_cache` carries its own).
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
@@ -244,7 +250,15 @@ def stream_generate(
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
     if tree_budget:
         target.check_tree(prompt_cache.target)
-    policy = AdaptiveBlock(block_size) if adaptive and block_size > 1 else None
+    if block_policy is not None and block_policy.block_size != block_size:
+        raise ValueError(
+            f"the block policy was made for block size {block_policy.block_size}, not {block_size}"
+        )
+    policy = None
+    if adaptive and block_size > 1:
+        kept = block_policy or prompt_cache.block_policy
+        policy = kept if kept and kept.block_size == block_size else AdaptiveBlock(block_size)
+        prompt_cache.block_policy = policy
     return _speculate(
         target,
         draft,
@@ -302,7 +316,7 @@ def _speculate(
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
             else:
                 drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
-            logits = model(verify[None], cache=cache)[0]
+            logits = target.forward(verify, cache)
             verdict = verifier.verify(drafts, draft_logprobs, logits, context)
             mx.async_eval(drafts, verdict.choices, verdict.matches)
             return drafts, verdict
@@ -322,7 +336,7 @@ def _speculate(
                 tree = build_tree(last, *top_candidates(logits, tree_budget), tree_budget)
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
-                logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
+                logits = target.forward(mx.array(tree.tokens), cache)
             # The target's own choice at every node: its argmax, or its sample (a node is then
             # accepted when the target's sample at its parent is the node's token: every
             # committed token is the target's own sample, so the output is exact in distribution).

@@ -15,6 +15,13 @@ generation at a time (a second is refused); forwards through caches other than
 the capture's (mlx-lm's own decoding of the same model) are not recorded.
 A tree forward (`tree_attention`) swaps the classes of the caches and RoPE
 modules the same way, for that one forward.
+
+The verify forward (`TargetAdapter.forward` over several positions, on the
+CPU) swaps the float32 `nn.Linear` layers of the transformer blocks, while its
+graph is built, to a class that computes `x @ W.T` as `(W @ x.T).T`, and back
+right after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here,
+the transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward"). The
+LM head keeps mlx-lm's product: over 16 rows that one is the faster.
 """
 
 from __future__ import annotations
@@ -211,6 +218,18 @@ def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_position
     cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
+class _RowwiseLinear(nn.Linear):
+    """`x @ W.T (+ b)` as `(W @ x.T).T`: cheaper in OpenBLAS for a few rows."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.reshape(-1, x.shape[-1]).T
+        if "bias" in self:
+            out = mx.addmm(self.bias[:, None], self.weight, rows)
+        else:
+            out = self.weight @ rows
+        return out.T.reshape(*x.shape[:-1], -1)
+
+
 def restricted_head(head: nn.Module, token_ids: list[int]) -> Callable[[mx.array], mx.array]:
     """`head` (an LM head or a tied embedding) over the rows `token_ids` only.
 
@@ -384,6 +403,32 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
+        self._rowwise: list[nn.Module] | None = None
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
+
+        Over several positions on the CPU the float32 linear layers take the
+        product the cheaper way round for a few rows (see the module docstring).
+        """
+        if tokens.size == 1 or mx.default_device() != mx.cpu:
+            return self.model(tokens[None], cache=cache)[0]
+        if self._rowwise is None:
+            self._rowwise = [
+                m
+                for layer in self.layers
+                for m in layer.modules()
+                if type(m) is nn.Linear and m.weight.dtype == mx.float32
+            ]
+        hooked = [m for m in self._rowwise if type(m) is nn.Linear]
+        with _HOOKING:  # graph building only: the classes are back before anything runs
+            for m in hooked:
+                m.__class__ = _RowwiseLinear
+            try:
+                return self.model(tokens[None], cache=cache)[0]
+            finally:
+                for m in hooked:
+                    m.__class__ = nn.Linear
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""

@@ -9,6 +9,7 @@ import pytest
 from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
+import dflash_mlx
 from dflash_mlx.adaptive import AdaptiveBlock
 
 
@@ -120,3 +121,64 @@ def test_adaptive_with_a_perfect_drafter_stays_lossless(loaded):
     tokens, responses = run(model, oracle, tokenizer, prompt, max_tokens=160, adaptive=True)
     assert tokens == expected
     assert all(r.accepted == r.proposed for r in responses)
+
+
+def test_plain_decoding_notices_a_drafter_that_starts_helping():
+    """At block 1 only probes see the drafter, so they stay frequent: after 300 cycles of a
+    useless drafter, one that turns good (prose gave way to code) is drafting with again
+    within a few dozen cycles (with probes 64 cycles apart: 56 % of the next 100)."""
+    good = [0.8] * 15
+    for seed in range(3):
+        policy = AdaptiveBlock(16)
+        simulate(policy, NEVER, cpu_cost, cycles=300, seed=seed)
+        _, sizes = simulate(policy, good, cpu_cost, cycles=100, seed=seed + 10)
+        assert sum(n > 1 for n in sizes) > 0.8 * len(sizes)
+
+
+def learned_plain_decoding() -> AdaptiveBlock:
+    """A policy that measured block 1 far cheaper than block 16 and saw no draft accepted."""
+    policy = AdaptiveBlock(16)
+    policy.record(16, 1, 1.0)
+    policy.record(1, 1, 0.001)
+    return policy
+
+
+def test_a_block_policy_carries_over_between_generations(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(27).integers(4, 300, size=12).tolist()
+    expected = reference_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
+    fresh = AdaptiveBlock(16)
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, block_policy=fresh)
+    assert tokens == expected
+    assert responses[1].proposed == 15  # nothing learned yet: the drafter's block
+    assert fresh.cycles == len(responses) - 1  # every verify cycle was recorded into it
+    cycles = fresh.cycles
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, block_policy=fresh)
+    assert tokens == expected
+    assert fresh.cycles == cycles + len(responses) - 1  # it went on counting
+    # what the policy learned decides the first cycle of the next generation
+    learned = learned_plain_decoding()
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, block_policy=learned)
+    assert tokens == expected
+    assert responses[1].proposed == 0
+
+
+def test_a_prompt_cache_keeps_its_block_policy(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(28).integers(4, 300, size=12).tolist()
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    tokens, _ = run(model, draft, tokenizer, prompt, max_tokens=24, prompt_cache=cache)
+    kept = cache.block_policy
+    assert kept is not None and kept.cycles > 0
+    reply = prompt + tokens + [5, 6, 7]  # the next turn of a chat
+    expected = reference_greedy(model, reply, 24, set(tokenizer.eos_token_ids))
+    cache.block_policy = learned_plain_decoding()
+    tokens, responses = run(model, draft, tokenizer, reply, max_tokens=24, prompt_cache=cache)
+    assert tokens == expected
+    assert responses[1].proposed == 0  # went on from the policy the cache holds
+
+
+def test_a_block_policy_for_another_block_size_is_refused(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    with pytest.raises(ValueError, match="block policy was made for block size 8, not 16"):
+        run(model, draft, tokenizer, [5, 6, 7], max_tokens=4, block_policy=AdaptiveBlock(8))

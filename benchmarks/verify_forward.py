@@ -1,0 +1,69 @@
+"""The target's forward over n new positions: mlx-lm's as it is, and the loop's verify forward.
+
+    python benchmarks/verify_forward.py                      # SmolLM2-135M fp32, 200-token context
+    python benchmarks/verify_forward.py --rounds 15 --sizes 1,2,3,4,8,16
+
+`TargetAdapter.forward` (what the loop verifies with) computes the float32 linear
+layers and the tied LM head as `(W @ x.T).T` when there are several positions;
+`model(...)` is mlx-lm's own forward. Each round times every size with both,
+interleaved, after the context was prefilled (the cache is trimmed back after
+each forward), so a burst of load from other jobs hits both alike. Reports the
+median and the minimum over rounds (the minimum is the least disturbed by other
+jobs on a shared machine), in ms and relative to the one-position forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+# isort: off
+import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
+
+# isort: on
+
+import mlx.core as mx
+
+from dflash_mlx import TargetAdapter, load
+from dflash_mlx.gguf import smollm2_model_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="target directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16")
+    parser.add_argument("--context", type=int, default=200, help="prefilled positions")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+
+    model, _ = load(args.model or smollm2_model_dir())
+    target = TargetAdapter(model)
+    cache = target.make_cache()
+    mx.eval(model(mx.arange(100, 100 + args.context)[None], cache=cache))
+    variants = {
+        "mlx-lm forward": lambda tokens: model(tokens[None], cache=cache)[0],
+        "verify forward": lambda tokens: target.forward(tokens, cache),
+    }
+    sizes = [int(n) for n in args.sizes.split(",")]
+    times = {(v, n): [] for v in variants for n in sizes}
+    for _ in range(args.rounds + 1):  # the first round warms up and is left out
+        for n in sizes:
+            tokens = mx.arange(500, 500 + n)
+            for name, forward in variants.items():
+                tic = time.perf_counter()
+                mx.eval(mx.argmax(forward(tokens), axis=-1))
+                times[name, n].append(time.perf_counter() - tic)
+                for c in cache:
+                    c.trim(n)
+    print(f"context {args.context}, {args.rounds} rounds; ms (x the 1-position forward)")
+    print(f"{'':24s}" + "".join(f"{n:>14d}" for n in sizes))
+    for stat in (statistics.median, min):
+        for name in variants:
+            ms = [1e3 * stat(times[name, n][1:]) for n in sizes]
+            cells = "".join(f"{m:8.1f} ({m / ms[0]:.2f})" for m in ms)
+            print(f"{name + ', ' + stat.__name__:24s}{cells}")
+
+
+if __name__ == "__main__":
+    main()
