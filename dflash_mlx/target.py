@@ -417,6 +417,7 @@ class TargetAdapter:
             self._rowwise = [
                 m
                 for layer in self.layers
+                if layer is not None  # pipeline: another rank's layer
                 for m in layer.modules()
                 if type(m) is nn.Linear and m.weight.dtype == mx.float32
             ]
@@ -487,7 +488,7 @@ class TargetAdapter:
     def ropes(self) -> list[nn.Module]:
         """The rotary embedding modules of the attention layers (each once)."""
         found = {}
-        for layer in self.layers:
+        for layer in filter(None, self.layers):
             for name, module in layer.named_modules():
                 if name.rpartition(".")[2] == "rope":
                     found[id(module)] = module

@@ -54,7 +54,8 @@ def test_bench_end_to_end(make_pair, tmp_path):
         assert r["dflash"]["generated_tokens"] == r["ar"]["generated_tokens"]
         assert r["identical"] is True and r["divergence"] is None
     assert results["overall"]["identical"] == 3
-    assert len(results["overall"]["acceptance"]["per_position"]) == 15
+    # the adaptive policy (kept for the whole run) need not draft all 15 positions
+    assert 1 <= len(results["overall"]["acceptance"]["per_position"]) <= 15
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overall" in proc.stdout and "verify forward" in proc.stdout
 
