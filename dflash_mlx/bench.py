@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -175,6 +176,10 @@ def measure(generate: Callable[[], Iterable], watch: Stopwatch | None = None) ->
         run.tokens += new
         run.text += r.text
         run.peak_memory = r.peak_memory
+    # mlx-lm queues the step after its last token on its own stream; under mlx.launch that
+    # step's collectives must be done before the next run queues its own, on every rank alike
+    mx.synchronize(generation_stream)
+    mx.synchronize()
     return run
 
 
