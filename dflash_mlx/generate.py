@@ -27,7 +27,7 @@ from .distributed import world_group
 from .draft import DFlashDraft
 from .rollback import keep_path, trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
-from .target import TargetAdapter
+from .target import RestrictedHead, TargetAdapter
 from .tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 PREFILL_STEP = 2048
@@ -290,6 +290,10 @@ def _speculate(
     reused = prompt_cache.reuse(prompt)
     eos = set(tokenizer.eos_token_ids)
     draft_head = target.draft_head(cfg.draft_vocab) if cfg else None
+    # A tree only ranks the drafter's tokens: over a draft vocabulary, its columns alone.
+    restricted = isinstance(draft_head, RestrictedHead)
+    tree_head = draft_head.rows if restricted else draft_head
+    tree_vocab = draft_head.token_ids if restricted else None
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     capture = target.capture(cfg.target_layer_ids, cache) if cfg else nullcontext({})
@@ -332,8 +336,9 @@ def _speculate(
             tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
-                logits = draft.draft_logits(block, target.embed_tokens, draft_head, draft_cache)
-                tree = build_tree(last, *top_candidates(logits, tree_budget), tree_budget)
+                logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
+                candidates = top_candidates(logits, tree_budget, tree_vocab)
+                tree = build_tree(last, *candidates, tree_budget)
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = target.forward(mx.array(tree.tokens), cache)

@@ -17,7 +17,7 @@ from dflash_mlx import stream_generate
 from dflash_mlx.checkpoint import save_draft, set_draft_vocab
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.sampling import make_logprobs_transform
-from dflash_mlx.target import TargetAdapter, restricted_head
+from dflash_mlx.target import RestrictedHead, TargetAdapter
 from dflash_mlx.train import add_arguments, run
 from dflash_mlx.train.export import export_published, top_tokens
 
@@ -143,9 +143,11 @@ def test_restricted_head_equals_the_full_heads_columns(kind):
     layer, full = heads()[kind]
     ids = sorted(np.random.default_rng(1).choice(300, 77, replace=False).tolist())
     x = mx.random.normal((15, 64))
-    out, ref = restricted_head(layer, ids)(x), full(x)
+    head = RestrictedHead(layer, ids)
+    out, ref = head(x), full(x)
     assert out.shape == ref.shape
     assert mx.allclose(out[:, mx.array(ids)], ref[:, mx.array(ids)], atol=1e-5).item()
+    assert mx.array_equal(head.rows(x), out[:, mx.array(ids)]).item()
     outside = np.setdiff1d(np.arange(300), ids)
     assert (np.array(out)[:, outside] == -np.inf).all()
 
@@ -155,7 +157,7 @@ def test_draft_head_is_the_full_head_without_a_vocab(loaded):
     target = TargetAdapter(model)
     assert target.draft_head(None) is target.lm_head
     with pytest.raises(ValueError, match="draft vocabulary"):
-        restricted_head(target.head, [target.vocab_size])
+        RestrictedHead(target.head, [target.vocab_size])
 
 
 def test_vocab_survives_save_load_and_full_vocab_ignores_it(loaded, make_pair, tmp_path):
