@@ -6,6 +6,7 @@
         --draft dflash_mlx/drafters/smollm2-135m-instruct       # with the shipped drafter
     python benchmarks/cycle_cost.py --shape qwen3-8b --dtype bfloat16 --json q8b.json  # a GPU
     python benchmarks/cycle_cost.py --shape qwen3-8b --dtype bfloat16 -q 4   # 4-bit target
+    python benchmarks/cycle_cost.py --shape qwen3-8b --dtype bfloat16 --tree-budgets 4,8,16,32
 
 The same script runs on MLX's CPU, Metal and CUDA backends: everything runs on
 `mx.default_device()` and every timing ends in an evaluation of what it timed.
@@ -29,7 +30,11 @@ it measures, in ms and in mlx-lm decoding steps:
   update, SDPA), of which the q/k/v/o projections; the MLPs; norms and RoPE (every RMSNorm
   and RoPE, so it overlaps the attention block); the LM head; other = full - attention -
   MLPs - LM head (embedding, layer norms, residual adds). Graph building is the host time
-  from the call until the lazy result is returned, before any evaluation.
+  from the call until the lazy result is returned, before any evaluation;
+- with `--tree-budgets`, for each budget: one tree forward over the budget's nodes + the
+  root (the tree the drafter's top-k gives after the prompt: with random weights a flat
+  one, every node a sibling at depth 1), and a whole tree cycle
+  (`stream_generate(..., tree_budget=b)`), against the chain's 16-position verify.
 
 Every timing is a median over `--rounds` interleaved rounds (each round measures
 everything once, so a burst of load from other jobs hits every variant alike) of the
@@ -62,6 +67,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx import TargetAdapter, load, load_draft, stream_generate
 from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.tree import ancestor_mask, build_tree, top_candidates
 
 # Published configs (config.json on the hub) of the targets, with the drafter depth of
 # z-lab's DFlash drafter for them (2 for SmolLM2: the project's shipped drafter).
@@ -327,6 +333,14 @@ class CycleCost:
         self.draft_block = mx.array(
             [self.prompt[-1]] + [draft.config.mask_token_id] * (self.block - 1)
         )
+        self.trees = {b: self.draft_tree(b) for b in args.tree_budgets}
+
+    def draft_tree(self, budget: int):
+        """The tree a cycle after the prompt would verify: from the drafter's top-k."""
+        logits = self.draft.draft_logits(
+            self.draft_block, self.target.embed_tokens, self.target.lm_head, self.draft_cache
+        )
+        return build_tree(self.prompt[-1], *top_candidates(logits, budget), budget)
 
     def mlx_lm_step(self, max_tokens: int) -> float:
         responses = mlx_lm.stream_generate(
@@ -339,6 +353,35 @@ class CycleCost:
             self.model, self.draft, self.tokenizer, self.prompt, block_size=1, max_tokens=max_tokens
         )
         return median_gap_ms([time.perf_counter() for _ in responses])
+
+    def tree_cycle(self, budget: int, max_tokens: int) -> tuple[float, float]:
+        """Median ms of a tree cycle at `budget` and the mean tokens it accepted."""
+        stamps = [
+            (time.perf_counter(), r)
+            for r in stream_generate(
+                self.model,
+                self.draft,
+                self.tokenizer,
+                self.prompt,
+                self.block,
+                max_tokens,
+                tree_budget=budget,
+            )
+        ]
+        gaps = [(t1 - t0, r.accepted) for (t0, _), (t1, r) in zip(stamps[1:], stamps[2:])]
+        return 1e3 * statistics.median(t for t, _ in gaps), statistics.mean(a for _, a in gaps)
+
+    def tree_forward(self, budget: int) -> float:
+        """ms of one tree forward over the budget's nodes + the root (built, run, argmaxes read)."""
+        tree, offsets = self.trees[budget], [c.offset for c in self.cache]
+        tic = time.perf_counter()
+        with self.target.tree_attention(self.cache, tree.depths, ancestor_mask(tree.parents)):
+            logits = self.target.forward(mx.array(tree.tokens), self.cache)
+        mx.argmax(logits, axis=-1).tolist()
+        elapsed = time.perf_counter() - tic
+        for c, offset in zip(self.cache, offsets):
+            c.trim(c.offset - offset)
+        return 1e3 * elapsed
 
     def cycle(self, max_tokens: int) -> tuple[float, list[int]]:
         """Median ms of the cycles that verify a full block, and their accepted counts.
@@ -389,9 +432,15 @@ class CycleCost:
         out["loop_block1"] = self.loop_block1(max_tokens)
         out["cycle"], accepted = self.cycle(max_tokens)
         out["accepted_per_cycle"] = statistics.mean(accepted)
+        for b in self.trees:
+            out[f"tree{b}/cycle"], out[f"tree{b}/accepted_per_cycle"] = self.tree_cycle(
+                b, max_tokens
+            )
         times = defaultdict(list)
         for _ in range(reps):
             times["draft"].append(self.draft_forward())
+            for b in self.trees:
+                times[f"tree{b}/forward"].append(self.tree_forward(b))
             for n in self.positions:
                 build, full = self.forward(n)
                 times[f"{n}/graph_build"].append(build)
@@ -435,6 +484,16 @@ def summarize(rounds: list[dict[str, float]], bench: CycleCost) -> dict:
             "host": timed(med["cycle"] - med["draft"] - verify),
         },
         "forward": forward,
+        "trees": {
+            str(b): {
+                "nodes": len(tree),
+                "depth": max(tree.depths),
+                "accepted_per_cycle": med[f"tree{b}/accepted_per_cycle"],
+                "cycle": timed(med[f"tree{b}/cycle"]),
+                "forward": timed(med[f"tree{b}/forward"]),
+            }
+            for b, tree in bench.trees.items()
+        },
     }
 
 
@@ -483,6 +542,18 @@ def report(results: dict) -> None:
             f"{n:>4s}{f['full']['ms']:9.2f}{f['full']['steps']:7.2f}"
             f"{f['vs_one_position']:7.2f}{parts}"
         )
+    if results["trees"]:
+        print("\ntree verification (--tree-budget), ms (steps)")
+        print(
+            f"{'budget':>7s}{'nodes':>7s}{'depth':>7s}{'forward':>16s}{'cycle':>16s}{'accepted':>10s}"
+        )
+        for b, t in results["trees"].items():
+            forward, cycle = t["forward"], t["cycle"]
+            print(
+                f"{b:>7s}{t['nodes']:7d}{t['depth']:7d}"
+                f"{forward['ms']:10.2f} ({forward['steps']:.2f}){cycle['ms']:10.2f} "
+                f"({cycle['steps']:.2f}){t['accepted_per_cycle']:10.2f}"
+            )
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -513,6 +584,7 @@ def measure(args: argparse.Namespace) -> dict:
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
             "reps": args.reps,
+            "tree_budgets": args.tree_budgets,
         },
         **summarize(rounds, bench),
     }
@@ -549,16 +621,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--positions", default="1,2,4,8,16", help="forward sizes, comma-separated")
+    parser.add_argument(
+        "--tree-budgets", default="", help="also time tree cycles at these budgets, e.g. 4,8,16,32"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3, help="repeats of each forward per round")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     try:
         args.positions = [int(n) for n in args.positions.split(",")]
+        args.tree_budgets = [int(n) for n in args.tree_budgets.split(",") if n]
     except ValueError:
-        parser.error(f"--positions must be comma-separated integers, got {args.positions!r}")
-    if min(args.positions) < 1 or (args.block_size is not None and args.block_size < 2):
-        parser.error("--positions must be at least 1 and --block-size at least 2")
+        parser.error("--positions and --tree-budgets must be comma-separated integers")
+    if min(args.positions + args.tree_budgets) < 1:
+        parser.error("--positions and --tree-budgets must be at least 1")
+    if args.block_size is not None and args.block_size < 2:
+        parser.error("--block-size must be at least 2")
     if min(args.rounds, args.reps, args.prompt_tokens) < 1:
         parser.error("--rounds, --reps and --prompt-tokens must be at least 1")
     if args.model:

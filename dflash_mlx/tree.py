@@ -72,7 +72,7 @@ def top_candidates(
     top = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
     scores = np.take_along_axis(rows, top, axis=-1)
     order = np.argsort(-scores, axis=-1, kind="stable")
-    top, scores = np.take_along_axis(top, order, axis=-1), np.take_along_axis(scores, order, axis=-1)
+    top, scores = (np.take_along_axis(a, order, axis=-1) for a in (top, scores))
     peak = rows.max(axis=-1, keepdims=True)
     logprobs = scores - peak - np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
     tokens = top if token_ids is None else np.asarray(token_ids)[top]

@@ -33,6 +33,7 @@ def test_script_reports_every_measurement(variant, make_pair, tmp_path):
     out = str(tmp_path / "cost.json")
     if variant == "random tiny, 4-bit":
         args = ["--shape", "tiny", "--dtype", "bfloat16", "-q", "4", "--block-size", "4"]
+        args += ["--tree-budgets", "2,5"]
         results = run_script(*args, "--max-tokens", "10", "--positions", "1,2", "--json", out)
         block = 4
         assert results["config"]["q_bits"] == 4 and results["config"]["weights"] == "random"
@@ -53,6 +54,12 @@ def test_script_reports_every_measurement(variant, make_pair, tmp_path):
     ):
         assert t["ms"] > 0 and t["steps"] == pytest.approx(t["ms"] / step)
     assert math.isfinite(cycle["host"]["ms"])
+    assert set(results["trees"]) == ({"2", "5"} if block == 4 else set())
+    for budget, tree in results["trees"].items():
+        assert tree["nodes"] == int(budget) + 1 and 1 <= tree["depth"] <= int(budget)
+        assert tree["accepted_per_cycle"] >= 0
+        for t in (tree["forward"], tree["cycle"]):
+            assert t["ms"] > 0 and t["steps"] == pytest.approx(t["ms"] / step)
     assert cycle["verify"]["ms"] == results["forward"][str(block)]["full"]["ms"]
     assert set(results["forward"]) == ({"1", "2", "4"} if block == 4 else {"1", "16"})
     for f in results["forward"].values():
