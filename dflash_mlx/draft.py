@@ -478,6 +478,17 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
+    def candidates(
+        self, hidden: mx.array, logits: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Each position's top-K candidates (T, K), their logits U_t (T, K), W h_t (T, rank)
+        and the candidates' successor codes B[b] (T, K, rank)."""
+        k = min(self.top_k, logits.shape[-1])
+        candidates = mx.argpartition(logits, -k, axis=-1)[:, -k:]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        successors = self.successor_codebook[candidates]
+        return candidates, unary, self.hidden_projection(hidden), successors
+
     def walk(
         self,
         hidden: mx.array,
@@ -491,11 +502,7 @@ class CandidateSelector(nn.Module):
         `choose` maps a position's K scores to (index, log q or None): argmax for
         greedy decoding, a sample for sampling. Nothing here syncs with the host.
         """
-        k = min(self.top_k, logits.shape[-1])
-        candidates = mx.argpartition(logits, -k, axis=-1)[:, -k:]
-        unary = mx.take_along_axis(logits, candidates, axis=-1)
-        projected = self.hidden_projection(hidden)
-        successors = self.successor_codebook[candidates]
+        candidates, unary, projected, successors = self.candidates(hidden, logits)
         token, path, logqs = anchor, [], []
         for t in range(candidates.shape[0]):
             edges = successors[t] @ (self.predecessor_codebook[token] * projected[t])
@@ -508,6 +515,23 @@ class CandidateSelector(nn.Module):
             return tokens, None
         full = mx.full(logits.shape, -mx.inf, dtype=logqs[0].dtype)
         return tokens, mx.put_along_axis(full, candidates, mx.stack(logqs), axis=-1)
+
+    def edge_logprobs(
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """The candidates (T, K) and, for every pair of consecutive positions' candidates,
+        log-probabilities (T, K, K): entry [t, i, j] is the walk's (temperature 1)
+        log-probability of candidate j at position t after candidate i at position t - 1.
+
+        At t = 0 the predecessor is the anchor, so every row i is the same. All of it
+        is one batch of products, for a draft tree to read in one sync.
+        """
+        candidates, unary, projected, successors = self.candidates(hidden, logits)
+        first = mx.broadcast_to(anchor, (1, candidates.shape[1])).astype(candidates.dtype)
+        predecessors = mx.concatenate([first, candidates[:-1]])
+        context = self.predecessor_codebook[predecessors] * projected[:, None]
+        scores = (unary[:, None] + context @ successors.swapaxes(1, 2)).astype(mx.float32)
+        return candidates, scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
 class DFlashDraft(nn.Module):
@@ -592,6 +616,19 @@ class DFlashDraft(nn.Module):
         """Logits (L - 1, vocab) for the block's mask positions, through the target's head
         (restricted to the draft vocabulary: `TargetAdapter.draft_head`)."""
         return self.head_logits(self.mask_hidden(block, embed, cache), lm_head)
+
+    def selector_edges(
+        self,
+        block: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        cache: list[KVCache],
+    ) -> tuple[mx.array, mx.array]:
+        """DFlash 2: the selector's candidates (L - 1, K) for the block's mask positions and
+        its edge log-probabilities (L - 1, K, K) (`CandidateSelector.edge_logprobs`)."""
+        hidden = self.mask_hidden(block, embed, cache)
+        logits = self.head_logits(hidden, lm_head)
+        return self.candidate_selector.edge_logprobs(hidden, logits, block[0])
 
     def propose(
         self,

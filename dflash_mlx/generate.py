@@ -28,7 +28,15 @@ from .draft import DFlashDraft
 from .rollback import keep_path, trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
 from .target import RestrictedHead, TargetAdapter
-from .tree import Tree, ancestor_mask, build_tree, top_candidates, walk
+from .tree import (
+    Tree,
+    ancestor_mask,
+    build_selector_tree,
+    build_tree,
+    ranked_edges,
+    top_candidates,
+    walk,
+)
 
 PREFILL_STEP = 2048
 
@@ -194,7 +202,8 @@ def stream_generate(
     output is still the target's own (greedy: mlx-lm's with the same processors).
     `tree_budget` verifies a tree of up to that many draft tokens per cycle
     instead of one chain (`tree.py`): the budget's most likely continuations
-    under the drafter's per-position distributions, up to `block_size` - 1 deep,
+    under the drafter's per-position distributions (a DFlash 2 drafter's: its
+    selector's, each token given the one before), up to `block_size` - 1 deep,
     all in one target forward (not for targets with recurrent layers). When
     sampling, a tree node is accepted when the target's own sample at its
     parent is its token (the "match" rule, exact whatever `acceptance` says);
@@ -337,9 +346,15 @@ def _speculate(
             tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
-                logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
-                candidates = top_candidates(logits, tree_budget, tree_vocab)
-                tree = build_tree(last, *candidates, tree_budget)
+                if "candidate_selector" in draft:  # DFlash 2: scored as its selector walks
+                    parts = block, target.embed_tokens, draft_head, draft_cache
+                    tree = build_selector_tree(
+                        last, *ranked_edges(*draft.selector_edges(*parts)), tree_budget
+                    )
+                else:
+                    logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
+                    candidates = top_candidates(logits, tree_budget, tree_vocab)
+                    tree = build_tree(last, *candidates, tree_budget)
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = target.forward(mx.array(tree.tokens), cache)

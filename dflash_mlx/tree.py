@@ -4,23 +4,25 @@ The drafter's block gives a distribution q_t for every position t after the
 last committed token (the root). Treating the positions as independent given
 the root, a prefix x_1..x_d scores sum_t log q_t(x_t); the tree is the `budget`
 best prefixes. Scores only fall along a path, so those prefixes form a tree,
-and a best-first search over sorted per-position candidates finds them in
-O(budget log budget): a node's successors in the search are its first child
-(the top token at the next position) and its next sibling (the next token at
-its own position).
+and a best-first search over sorted candidates finds them in O(budget log
+budget): a node's successors in the search are its first child (the top token
+at the next position) and its next sibling (the next token at its own
+position). A DFlash 2 drafter's selector scores a token given the one before
+it: there q_t(x_t | x_{t-1}) over its top-K candidates, and the same search
+reads each node's children from its own row (`build_selector_tree`).
 
 The target then runs once over all nodes: each node sees the committed context
 and its ancestors (`ancestor_mask`) at the position of its depth. Walking the
 target's own choices down from the root gives the longest accepted path.
-Past `top_candidates` (one read from the device), everything here is host-side arithmetic on
-small lists; the loop (`generate.py`) does the forwards.
+Past `top_candidates` or `ranked_edges` (one read from the device), everything
+here is host-side arithmetic on small lists; the loop (`generate.py`) does the forwards.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,36 +81,84 @@ def top_candidates(
     return tokens.tolist(), logprobs.tolist()
 
 
-def build_tree(
-    root: int, top_tokens: list[list[int]], top_logprobs: list[list[float]], budget: int
-) -> Tree:
-    """The tree of the `budget` highest-scoring prefixes (plus the root).
+def ranked_edges(
+    candidates: mx.array, edge_logprobs: mx.array
+) -> tuple[list[list[int]], list[list[list[int]]], list[list[list[float]]]]:
+    """DFlash 2's candidates (T, K) and, after each candidate i at position t - 1, the
+    indices of position t's candidates and their log-probabilities, best first (one sync).
 
-    `top_tokens[t]` / `top_logprobs[t]`: the drafter's candidates for position
-    t + 1 after the root, best first. Candidates of probability 0 (-inf, e.g.
-    outside a draft vocabulary) never enter the tree.
+    `edge_logprobs[t, i, j]`: candidate j at position t after candidate i at t - 1
+    (`CandidateSelector.edge_logprobs`; at t = 0 every row is the anchor's).
+    """
+    order = mx.argsort(-edge_logprobs, axis=-1)
+    ranked = mx.take_along_axis(edge_logprobs, order, axis=-1)
+    mx.eval(candidates, order, ranked)
+    return candidates.tolist(), order.tolist(), ranked.tolist()
+
+
+def search_tree(
+    root: int,
+    tokens: list[list[int]],
+    ranked: Callable[[int, int], tuple[Sequence[int], list[float]]],
+    budget: int,
+) -> Tree:
+    """The tree of the `budget` highest-scoring prefixes (plus the root), best first.
+
+    `tokens[t][c]` is candidate c for position t + 1 after the root. `ranked(t, c)`
+    gives the candidates for position t + 1 after a node holding candidate c at
+    position t (the root: c = 0) and their log-probabilities, best first: a node's
+    successors in the search are its best child and its next sibling. Candidates
+    of probability 0 (-inf, e.g. outside a draft vocabulary) never enter the tree.
     """
     tree = Tree([root], [-1], [0])
-    scores = [0.0]
+    slots, scores = [0], [0.0]  # each node's candidate index at its position, its score
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent, position, rank)
     order = itertools.count()  # ties go to the earlier candidate
 
     def push(parent: int, position: int, rank: int) -> None:
-        if position < len(top_tokens) and rank < len(top_tokens[position]):
-            score = scores[parent] + top_logprobs[position][rank]
+        if position < len(tokens):
+            logprobs = ranked(position, slots[parent])[1]
+            score = scores[parent] + logprobs[rank] if rank < len(logprobs) else -float("inf")
             if score > -float("inf"):
                 heapq.heappush(heap, (-score, next(order), parent, position, rank))
 
     push(0, 0, 0)
     while heap and len(tree) <= budget:
         negative, _, parent, position, rank = heapq.heappop(heap)
-        tree.tokens.append(top_tokens[position][rank])
+        slot = ranked(position, slots[parent])[0][rank]
+        tree.tokens.append(tokens[position][slot])
         tree.parents.append(parent)
         tree.depths.append(position + 1)
+        slots.append(slot)
         scores.append(-negative)
         push(parent, position, rank + 1)
         push(len(tree) - 1, position + 1, 0)
     return tree
+
+
+def build_tree(
+    root: int, top_tokens: list[list[int]], top_logprobs: list[list[float]], budget: int
+) -> Tree:
+    """The `budget` best prefixes with positions independent given the root.
+
+    `top_tokens[t]` / `top_logprobs[t]`: the drafter's candidates for position
+    t + 1 after the root, best first (`top_candidates`).
+    """
+    ranks = [range(len(row)) for row in top_tokens]
+    return search_tree(root, top_tokens, lambda t, _: (ranks[t], top_logprobs[t]), budget)
+
+
+def build_selector_tree(
+    root: int,
+    candidates: list[list[int]],
+    successors: list[list[list[int]]],
+    logprobs: list[list[list[float]]],
+    budget: int,
+) -> Tree:
+    """The `budget` best prefixes under DFlash 2's selector (`ranked_edges`' lists): a
+    token's log-probability is the selector's given the token before it, as its walk
+    would draw it, so the tree branches where the walk is unsure."""
+    return search_tree(root, candidates, lambda t, c: (successors[t][c], logprobs[t][c]), budget)
 
 
 def ancestor_mask(parents: list[int]) -> mx.array:

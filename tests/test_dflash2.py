@@ -334,14 +334,3 @@ def test_training_forward_equals_inference_for_dflash2_layers(is_causal):
         block = mx.array([int(ids[p])] + [49] * 5)
         expected = draft(embed(block[None]) * 0.5, cache)[0]
         assert mx.abs(expected - hidden[i]).max().item() < 1e-4
-
-
-def test_tree_verification_with_a_dflash2_drafter_equals_mlx_lm(dflash2_pair, loaded):
-    """Trees are built from a DFlash 2 drafter's per-position distributions (not its selector)."""
-    model, tokenizer, _ = loaded("qwen3-tied-gqa")
-    draft = load_draft(dflash2_pair("qwen3-tied-gqa")[1])
-    prompt = tokenizer.encode("def add(a, b):")
-    expected = reference_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
-    responses = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=40, tree_budget=6))
-    assert [t for r in responses for t in r.tokens] == expected
-    assert max(r.proposed for r in responses) == 6
