@@ -72,10 +72,11 @@ def build_times(model, tokenizer, draft, ids, budgets, repeats) -> dict[str, lis
     head = target.draft_head(draft.config.draft_vocab)
     hidden = draft.mask_hidden(block, target.embed_tokens, cache.draft)
     logits = draft.head_logits(hidden, head)
-    mx.eval(hidden, logits)
+    columns = draft.head_logits(hidden, head.rows)  # as the loop ranks an ordinary tree's
+    mx.eval(hidden, logits, columns)
     selector = draft.candidate_selector
     builders = {
-        "plain": (lambda b: top_candidates(logits, b), build_tree),
+        "plain": (lambda b: top_candidates(columns, b, head.token_ids), build_tree),
         "selector": (
             lambda b: ranked_edges(*selector.edge_logprobs(hidden, logits, block[0])),
             build_selector_tree,
