@@ -327,7 +327,6 @@ def _speculate(
                     block, target.embed_tokens, draft_head, draft_cache, verifier.propose, context
                 )
                 verify = mx.concatenate([last_id, drafts.astype(last_id.dtype)])
-                mx.async_eval(drafts)  # the drafter runs while the host builds the verify graph
             else:
                 drafts, draft_logprobs, verify = mx.array([], dtype=mx.uint32), None, last_id
             logits = target.forward(verify, cache)
