@@ -1,4 +1,5 @@
-"""Choosing each cycle's block size by measured cost.
+"""Choosing each cycle's block size (`AdaptiveBlock`), or tree size (`AdaptiveTree`), by
+measured cost.
 
 A cycle of block size n (the last token plus n - 1 drafts) commits on average
 E(n) = 1 + Σ_{j<n} a_1 ⋯ a_j tokens, where a_k is the rate at which draft k is

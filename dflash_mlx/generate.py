@@ -76,7 +76,7 @@ class PromptCache:
     `tokens` are the positions both caches hold. A later prompt that starts with
     them is prefilled only from where it differs; anything beyond (a reply cut
     short, a re-rendered template) is trimmed away first. `block_policy` is what
-    the adaptive block size learned so far, so the next call goes on from it.
+    the adaptive block size (or tree size) learned so far, so the next call goes on from it.
     """
 
     target: list

@@ -90,6 +90,14 @@ def test_tree_is_the_budget_best_prefixes(budget, seed):
     for node in range(1, len(tree)):
         assert tree.parents[node] < node
         assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
+        path = tree.path(node)[1:]
+        score = sum(logprobs[tree.depths[n] - 1, tree.tokens[n]] for n in path)
+        assert tree.logprobs[node] == pytest.approx(score, abs=1e-4)
+    # best first: probabilities never rise, and the first b + 1 nodes are the tree of budget b
+    probabilities = tree.probabilities()
+    assert probabilities == sorted(probabilities, reverse=True)
+    for smaller in range(budget):
+        assert prefixes(tree.first(smaller + 1)) == brute_force_best(logprobs, smaller)
 
 
 def test_ancestor_mask_and_walk():
