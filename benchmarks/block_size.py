@@ -66,7 +66,7 @@ def main() -> None:
     else:
         texts = [DEFAULT_PROMPT] + [p["prompt"] for p in load_prompts(PROMPTS_FILE)]
     prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
-    sizes = [int(n) for n in args.sizes.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",") if n]
     trees = [f"tree-{n}" for n in args.trees.split(",") if n]
     sized = [f"tree-{n}-adaptive" for n in args.adaptive_trees.split(",") if n]
     variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized]
@@ -116,6 +116,8 @@ def main() -> None:
     summary = {
         v: {
             "speedup": statistics.mean(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
+            # a burst of load on one run skews the mean of ratios: the median resists it
+            "median_speedup": statistics.median(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
             "decode_tps": statistics.mean(tps[v]),
             "tau": statistics.mean(tau[v]) if v in tau else 1.0,
             # a cycle's wall time in mlx-lm decoding steps: (1 / tok/s) * tau over 1 / mlx-lm's
@@ -128,10 +130,13 @@ def main() -> None:
         for v in variants
     }
     print(f"load average at the end: {os.getloadavg()}")
-    print(f"{'variant':>17} {'tok/s':>7} {'x mlx-lm':>9} {'tau':>5} {'cycle/step':>10}")
+    print(
+        f"{'variant':>17} {'tok/s':>7} {'x mlx-lm':>9} {'median':>7} {'tau':>5} {'cycle/step':>10}"
+    )
     for v, s in summary.items():
         print(
-            f"{v:>17} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['tau']:5.2f} "
+            f"{v:>17} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['median_speedup']:6.2f}x "
+            f"{s['tau']:5.2f} "
             f"{s['cycle_steps']:10.2f}"
         )
     share = {n: round(c / sum(chosen.values()), 3) for n, c in sorted(chosen.items())}
