@@ -150,9 +150,9 @@ class AdaptiveTree:
     Best-first (`tree.build_tree`), a tree's nodes come in non-increasing path
     probability p_1 ≥ p_2 ≥ … under the drafter, and a node is accepted iff its
     whole path is the target's own choice, so a calibrated drafter's tree of the
-    first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. The
-    drafter is not calibrated: s is the decayed ratio of the drafts accepted to
-    those predicted over past trees. With c(b) the running average wall time of
+    first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. A
+    drafter need not be calibrated: s is the decayed ratio of the drafts accepted
+    to those predicted over past trees (the shipped SmolLM2 drafter's is ~1.1). With c(b) the running average wall time of
     cycles verifying b + 1 positions (interpolated as `AdaptiveBlock` does while
     unmeasured), the cycle verifies the b ≤ `max_budget` on `block_ladder` that
     maximises E(b) / c(b); b = 0 verifies the root alone, a plain step.
