@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -81,11 +80,6 @@ def accepted_lengths(ids: list[int], j: int, candidates, max_budget: int) -> tup
     """(accepted drafts of the tree of each budget 0..max_budget at anchor j, and for the
     largest tree: (path probability, accepted?) per node in best-first order)."""
     tree = build_tree(ids[j], *candidates, max_budget)
-    logp = [0.0] * len(tree)
-    for node in range(1, len(tree)):
-        position, parent = tree.depths[node] - 1, tree.parents[node]
-        rank = candidates[0][position].index(tree.tokens[node])
-        logp[node] = logp[parent] + candidates[1][position][rank]
 
     def choose(node: int) -> int:
         after = j + tree.depths[node] + 1
@@ -93,7 +87,7 @@ def accepted_lengths(ids: list[int], j: int, candidates, max_budget: int) -> tup
 
     path, _ = walk(tree, choose)
     on_path = set(path)
-    nodes = [(math.exp(logp[n]), n in on_path) for n in range(1, len(tree))]
+    nodes = [(p, n in on_path) for n, p in enumerate(tree.probabilities(), start=1)]
     # best-first order: the tree of budget b is the first b nodes, so it accepts the path's
     # nodes among them (a path is a prefix-closed chain, its nodes appear parents first)
     lengths = [sum(1 for n in path[1:] if n <= b) for b in range(max_budget + 1)]
@@ -151,7 +145,8 @@ def interpolate(costs: dict[int, float], b: int) -> float:
 
 
 def run_walk(records: list, choose) -> tuple[float, float, int]:
-    """(tokens, cost, cycles) along decoding's walk with `choose(record, j, state)` -> (b, cost)."""
+    """(tokens, cost, cycles) along decoding's walk; `choose(lengths, nodes, j)` gives the
+    budget at anchor j and its cost."""
     tokens = cost = cycles = 0
     for lengths, nodes in records:
         j = 0
