@@ -5,12 +5,14 @@ size in `--sizes` and with the adaptive choice (`adaptive.py`) run one after the
 other in one process (each after a short warm-up), so a burst of load on this
 shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
 τ, a cycle's cost in mlx-lm decoding steps (τ / speedup), and the block sizes
-the adaptive policy chose. `--trees` adds tree verification at those budgets.
+the adaptive policy chose. `--trees` adds tree verification at those budgets,
+`--adaptive-trees` trees of those largest budgets sized per cycle (`AdaptiveTree`).
 
     python benchmarks/block_size.py                          # shipped SmolLM2 drafter
     python benchmarks/block_size.py --draft random           # a drafter that never helps
     python benchmarks/block_size.py --context 2048 --limit 2 # long prompts
     python benchmarks/block_size.py --sizes 16 --trees 4,8,16,32  # chain vs tree
+    python benchmarks/block_size.py --sizes 16 --trees 4,8 --adaptive-trees 16
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import mlx_lm
 from long_context import long_prompt
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlock
+from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
 from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER), help="drafter dir or 'random'")
     parser.add_argument("--sizes", default="1,2,3,4,16", help="fixed block sizes to compare")
     parser.add_argument("--trees", default="", help="tree budgets to compare, e.g. 4,8,16,32")
+    parser.add_argument(
+        "--adaptive-trees", default="", help="largest budgets of trees sized per cycle, e.g. 16"
+    )
     parser.add_argument(
         "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
     )
@@ -61,18 +66,27 @@ def main() -> None:
     else:
         texts = [DEFAULT_PROMPT] + [p["prompt"] for p in load_prompts(PROMPTS_FILE)]
     prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
-    sizes = [int(n) for n in args.sizes.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",") if n]
     trees = [f"tree-{n}" for n in args.trees.split(",") if n]
-    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees]
+    sized = [f"tree-{n}-adaptive" for n in args.adaptive_trees.split(",") if n]
+    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized]
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
     adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
+    tree_policies = {v: AdaptiveTree(int(v.split("-")[1])) for v in sized}
 
     def generate(variant: str, ids: list[int], n: int):
         if variant == "mlx-lm":
             return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
         if variant == "adaptive":
             setting = adapting
+        elif variant in tree_policies:
+            budget = tree_policies[variant].max_budget
+            setting = {
+                "tree_budget": budget,
+                "adaptive": True,
+                "block_policy": tree_policies[variant],
+            }
         elif variant.startswith("tree-"):
             setting = {"tree_budget": int(variant.removeprefix("tree-"))}
         else:
@@ -82,6 +96,7 @@ def main() -> None:
     tps = {v: [] for v in variants}
     tau = {v: [] for v in variants[1:]}
     chosen: Counter[int] = Counter()
+    budgets: dict[str, Counter[int]] = {v: Counter() for v in sized}
     for i, ids in enumerate(prompts):
         for variant in variants:
             measure(generate(variant, ids, 8))
@@ -91,6 +106,8 @@ def main() -> None:
                 tau[variant].append((len(run.tokens) - 1) / max(len(run.cycles), 1))
             if variant == "adaptive":
                 chosen.update(proposed + 1 for _, _, proposed in run.cycles)
+            if variant in tree_policies:
+                budgets[variant].update(proposed for _, _, proposed in run.cycles)
         print(
             f"prompt {i} ({len(ids)} tokens): "
             + "  ".join(f"{v} {tps[v][-1] / tps['mlx-lm'][-1]:.2f}x" for v in variants[1:]),
@@ -99,6 +116,8 @@ def main() -> None:
     summary = {
         v: {
             "speedup": statistics.mean(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
+            # a burst of load on one run skews the mean of ratios: the median resists it
+            "median_speedup": statistics.median(a / b for a, b in zip(tps[v], tps["mlx-lm"])),
             "decode_tps": statistics.mean(tps[v]),
             "tau": statistics.mean(tau[v]) if v in tau else 1.0,
             # a cycle's wall time in mlx-lm decoding steps: (1 / tok/s) * tau over 1 / mlx-lm's
@@ -111,14 +130,20 @@ def main() -> None:
         for v in variants
     }
     print(f"load average at the end: {os.getloadavg()}")
-    print(f"{'variant':>9} {'tok/s':>7} {'x mlx-lm':>9} {'tau':>5} {'cycle/step':>10}")
+    print(
+        f"{'variant':>17} {'tok/s':>7} {'x mlx-lm':>9} {'median':>7} {'tau':>5} {'cycle/step':>10}"
+    )
     for v, s in summary.items():
         print(
-            f"{v:>9} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['tau']:5.2f} "
+            f"{v:>17} {s['decode_tps']:7.1f} {s['speedup']:8.2f}x {s['median_speedup']:6.2f}x "
+            f"{s['tau']:5.2f} "
             f"{s['cycle_steps']:10.2f}"
         )
     share = {n: round(c / sum(chosen.values()), 3) for n, c in sorted(chosen.items())}
     print(f"adaptive block sizes (share of cycles): {share}")
+    for v, counts in budgets.items():
+        shares = {b: round(c / sum(counts.values()), 3) for b, c in sorted(counts.items())}
+        print(f"{v} tree sizes (share of cycles, 0: a plain step): {shares}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "summary": summary, "chosen": share}, f, indent=1)

@@ -1,4 +1,5 @@
-"""Choosing each cycle's block size by measured cost.
+"""Choosing each cycle's block size (`AdaptiveBlock`), or tree size (`AdaptiveTree`), by
+measured cost.
 
 A cycle of block size n (the last token plus n - 1 drafts) commits on average
 E(n) = 1 + Σ_{j<n} a_1 ⋯ a_j tokens, where a_k is the rate at which draft k is
@@ -40,6 +41,28 @@ def block_ladder(max_block: int) -> list[int]:
     """Candidate block sizes: every size up to 6, then coarser steps, and `max_block`."""
     steps = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
     return sorted({n for n in steps if n < max_block} | {max_block})
+
+
+def interpolated_cost(seconds: dict[int, float], n: int) -> float | None:
+    """The cost of size n from those measured: its own, else linear between the nearest
+    measured sizes, proportional below the smallest, flat above the largest (None: none yet)."""
+    if n in seconds:
+        return seconds[n]
+    below = max((m for m in seconds if m < n), default=None)
+    above = min((m for m in seconds if m > n), default=None)
+    if below is None and above is None:
+        return None
+    if above is None:
+        return seconds[below]
+    if below is None:
+        return seconds[above] * n / above
+    share = (n - below) / (above - below)
+    return (1 - share) * seconds[below] + share * seconds[above]
+
+
+def running_average(seconds: dict[int, float], n: int, value: float, smoothing: float) -> None:
+    old = seconds.get(n)
+    seconds[n] = value if old is None else (1 - smoothing) * old + smoothing * value
 
 
 @dataclass
@@ -86,18 +109,7 @@ class AdaptiveBlock:
 
     def cost(self, n: int) -> float | None:
         """c(n) in seconds: measured, or interpolated from the nearest measured sizes."""
-        if n in self.seconds:
-            return self.seconds[n]
-        below = max((m for m in self.seconds if m < n), default=None)
-        above = min((m for m in self.seconds if m > n), default=None)
-        if below is None and above is None:
-            return None
-        if above is None:
-            return self.seconds[below]
-        if below is None:
-            return self.seconds[above] * n / above
-        share = (n - below) / (above - below)
-        return (1 - share) * self.seconds[below] + share * self.seconds[above]
+        return interpolated_cost(self.seconds, n)
 
     def best(self) -> int:
         rates = self.acceptance_rates()
@@ -128,7 +140,87 @@ class AdaptiveBlock:
         for k in range(min(committed, block_size - 1)):  # drafts reached: accepted ones + 1
             self.tried[k] += 1
             self.accepted[k] += k < committed - 1
-        old = self.seconds.get(block_size)
-        self.seconds[block_size] = (
-            seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
-        )
+        running_average(self.seconds, block_size, seconds, self.smoothing)
+
+
+@dataclass
+class AdaptiveTree:
+    """Each tree cycle's budget from the drafter's confidence in that cycle's candidates.
+
+    Best-first (`tree.build_tree`), a tree's nodes come in non-increasing path
+    probability p_1 ≥ p_2 ≥ … under the drafter, and a node is accepted iff its
+    whole path is the target's own choice, so a calibrated drafter's tree of the
+    first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. A
+    drafter need not be calibrated: s is the decayed ratio of the drafts accepted
+    to those predicted over past trees (the shipped SmolLM2 drafter's is ~1.1).
+    With c(b) the running average wall time of cycles verifying b + 1 positions
+    (interpolated as `AdaptiveBlock` does while unmeasured), the cycle verifies
+    the b ≤ `max_budget` on `block_ladder` that maximises E(b) / c(b); b = 0
+    verifies the root alone, a plain step.
+
+    A plain step after the drafter's forward has paid for a forward it did not
+    use, so once the root alone is best the next cycles skip the drafter: plain
+    steps for `probe_gap` cycles, doubling (up to `max_probe_gap`) while it stays
+    best. The drafted cycle after them is a probe: it verifies the best tree of
+    at least one node, whatever E(b) says, so that s follows a drafter that
+    starts to help. The budget never changes the output.
+    """
+
+    max_budget: int  # the largest tree (draft tokens)
+    decay: float = 0.9  # weight kept by older calibration counts at each tree
+    smoothing: float = 0.3  # weight of the newest cycle in the running cost averages
+    min_probe_gap: int = 2
+    max_probe_gap: int = 8
+    accepted: float = 1.0  # decayed drafts accepted and predicted: a prior s = 1
+    predicted: float = 1.0
+    seconds: dict[int, float] = field(default_factory=dict)  # by verified positions, b + 1
+    sizes: list[int] = field(init=False)
+    probe_gap: int = 0
+    skipping: int = 0  # plain steps left before the next drafted cycle
+    drafting: bool = True  # whether the current cycle drafts
+    probing: bool = False  # whether it is the drafted cycle after plain steps
+
+    def __post_init__(self) -> None:
+        self.sizes = block_ladder(self.max_budget + 1)
+        self.probe_gap = self.min_probe_gap
+
+    def draft_next(self) -> bool:
+        """Whether the next cycle drafts (else it is a plain step)."""
+        self.probing = self.skipping == 0 and not self.drafting
+        self.drafting = self.skipping == 0
+        self.skipping = max(self.skipping - 1, 0)
+        return self.drafting
+
+    def expected_tokens(self, probabilities: list[float]) -> list[float]:
+        """E(b) for b = 0 .. len(probabilities): tokens the first b nodes commit on average."""
+        scale, total, out = self.accepted / self.predicted, 1.0, [1.0]
+        for p in probabilities:
+            total += scale * p
+            out.append(total)
+        return out
+
+    def budget(self, probabilities: list[float]) -> int:
+        """The drafted cycle's tree size for nodes of these path probabilities, best first."""
+        if not self.seconds:
+            return len(probabilities)  # nothing measured yet: the largest tree
+        expected = self.expected_tokens(probabilities)
+        sizes = [n for n in self.sizes if n <= len(expected)]
+        rate = {n: expected[n - 1] / interpolated_cost(self.seconds, n) for n in sizes}
+        best = max(sizes, key=rate.__getitem__)
+        if best > 1:
+            self.probe_gap = self.min_probe_gap
+        else:
+            self.skipping = self.probe_gap
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            if self.probing and len(sizes) > 1:
+                best = max(sizes[1:], key=rate.__getitem__)
+        return best - 1
+
+    def record(self, probabilities: list[float], accepted: int, seconds: float) -> None:
+        """One finished cycle: its nodes' path probabilities, drafts accepted, wall time."""
+        if not self.drafting:
+            return  # a plain step: the drafted cycles' costs are what the choice compares
+        if probabilities:  # only a tree tells the drafter's calibration
+            self.accepted = self.decay * self.accepted + accepted
+            self.predicted = self.decay * self.predicted + sum(probabilities)
+        running_average(self.seconds, len(probabilities) + 1, seconds, self.smoothing)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock
+from .adaptive import AdaptiveBlock, AdaptiveTree
 from .distributed import world_group
 from .draft import DFlashDraft
 from .rollback import keep_path, trim_caches
@@ -84,13 +84,13 @@ class PromptCache:
     `tokens` are the positions both caches hold. A later prompt that starts with
     them is prefilled only from where it differs; anything beyond (a reply cut
     short, a re-rendered template) is trimmed away first. `block_policy` is what
-    the adaptive block size learned so far, so the next call goes on from it.
+    the adaptive block size (or tree size) learned so far, so the next call goes on from it.
     """
 
     target: list
     draft: list
     tokens: list[int] = field(default_factory=list)
-    block_policy: AdaptiveBlock | None = None
+    block_policy: AdaptiveBlock | AdaptiveTree | None = None
 
     def reuse(self, prompt: list[int]) -> int:
         """Trim both caches to the longest prefix shared with `prompt`; return its length.
@@ -173,7 +173,7 @@ def stream_generate(
     adaptive: bool | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     tree_budget: int | None = None,
-    block_policy: AdaptiveBlock | None = None,
+    block_policy: AdaptiveBlock | AdaptiveTree | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -194,9 +194,10 @@ def stream_generate(
     depends on its size, so by default it adapts only for greedy decoding with
     no `block_size` given: a seeded sampled run stays reproducible. Under
     `mlx.launch` it never adapts: every rank must run the same cycles.
-    `block_policy` (an `AdaptiveBlock` for this block size) keeps what adapting
-    learned: pass the same one to successive calls with one target and drafter
-    so that each starts from the last (a `prompt_cache` carries its own).
+    `block_policy` (an `AdaptiveBlock` for this block size, or an `AdaptiveTree`
+    for this tree budget) keeps what adapting learned: pass the same one to
+    successive calls with one target and drafter so that each starts from the
+    last (a `prompt_cache` carries its own).
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
@@ -207,7 +208,10 @@ def stream_generate(
     all in one target forward (not for targets with recurrent layers). When
     sampling, a tree node is accepted when the target's own sample at its
     parent is its token (the "match" rule, exact whatever `acceptance` says);
-    logits processors see each node's own path.
+    logits processors see each node's own path. With `adaptive` the budget is
+    the largest tree: each cycle verifies the first b nodes that maximise the
+    expected tokens per second, from the drafter's confidence in that cycle's
+    nodes and the cycle times measured so far (`AdaptiveTree`).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -219,8 +223,6 @@ def stream_generate(
         raise ValueError(f"tree_budget must be at least 1, got {tree_budget}")
     if tree_budget and draft is None:
         raise ValueError("tree verification needs a drafter")
-    if tree_budget and adaptive:
-        raise ValueError("a tree budget and adaptive block sizes cannot be combined")
     lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
     if adaptive is None:
         adaptive = (
@@ -259,15 +261,18 @@ def stream_generate(
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
     if tree_budget:
         target.check_tree(prompt_cache.target)
-    if block_policy is not None and block_policy.block_size != block_size:
+    wanted = ("tree budget", tree_budget) if tree_budget else ("block size", block_size)
+    if block_policy is not None and policy_setting(block_policy) != wanted:
+        made_for = " ".join(map(str, policy_setting(block_policy)))
         raise ValueError(
-            f"the block policy was made for block size {block_policy.block_size}, not {block_size}"
+            f"the block policy was made for {made_for}, not {' '.join(map(str, wanted))}"
         )
     policy = None
     if adaptive and block_size > 1:
         kept = block_policy or prompt_cache.block_policy
-        policy = kept if kept and kept.block_size == block_size else AdaptiveBlock(block_size)
-        prompt_cache.block_policy = policy
+        if kept is None or policy_setting(kept) != wanted:
+            kept = AdaptiveTree(tree_budget) if tree_budget else AdaptiveBlock(block_size)
+        policy = prompt_cache.block_policy = kept
     return _speculate(
         target,
         draft,
@@ -282,6 +287,13 @@ def stream_generate(
     )
 
 
+def policy_setting(policy: AdaptiveBlock | AdaptiveTree) -> tuple[str, int]:
+    """What a policy was made for: ("block size", n) or ("tree budget", n)."""
+    if isinstance(policy, AdaptiveTree):
+        return "tree budget", policy.max_budget
+    return "block size", policy.block_size
+
+
 def _speculate(
     target: TargetAdapter,
     draft: DFlashDraft | None,
@@ -289,7 +301,7 @@ def _speculate(
     tokenizer: TokenizerWrapper,
     prompt: list[int],
     block_size: int,
-    policy: AdaptiveBlock | None,
+    policy: AdaptiveBlock | AdaptiveTree | None,
     max_tokens: int,
     verifier: Verifier,
     tree_budget: int | None = None,
@@ -341,7 +353,8 @@ def _speculate(
             """(the tree, the cache offset it starts at, the target's logits, its choices
             or, with logits processors, None: those are made during the walk).
 
-            A tree is at most `tree_budget` deep: the drafter drafts no further."""
+            A tree is at most `tree_budget` deep: the drafter drafts no further. The policy,
+            if any, keeps its first nodes only."""
             tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
@@ -354,6 +367,8 @@ def _speculate(
                     logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
                     candidates = top_candidates(logits, tree_budget, tree_vocab)
                     tree = build_tree(last, *candidates, tree_budget)
+                if policy:
+                    tree = tree.first(policy.budget(tree.probabilities()) + 1)
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = target.forward(mx.array(tree.tokens), cache)
@@ -415,12 +430,12 @@ def _speculate(
             finish = (
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
             )
-            if not finish:
+            if not finish and tree_budget:
+                n = block_size if not policy or policy.draft_next() else 1
+                pending_tree = launch_tree(committed[-1], min(n, max_tokens - generated))
+            elif not finish:
                 n = min(policy.next_block_size() if policy else block_size, max_tokens - generated)
-                if tree_budget:
-                    pending_tree = launch_tree(committed[-1], n)
-                else:
-                    drafts, verdict = launch(committed[-1], n)
+                drafts, verdict = launch(committed[-1], n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -443,6 +458,11 @@ def _speculate(
                 return
             if tree_budget:
                 committed, committed_logits, accepted, proposed = settle_tree(*pending_tree)
+                if policy:
+                    policy.record(
+                        pending_tree[0].probabilities(), accepted, time.perf_counter() - synced
+                    )
+                synced = time.perf_counter()
                 continue
 
             draft_ids, match_flags = drafts.tolist(), verdict.matches.tolist()

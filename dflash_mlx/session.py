@@ -59,7 +59,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "--adaptive",
         action=argparse.BooleanOptionalAction,
         help="choose each cycle's block size by measured cost, up to --block-size or the "
-        "drafter's (default: on for greedy decoding without --block-size)",
+        "drafter's (default: on for greedy decoding without --block-size); with "
+        "--tree-budget, each tree's size from the drafter's confidence (default: off)",
     )
     parser.add_argument(
         "--acceptance",
@@ -118,8 +119,6 @@ def load_models(
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if args.tree_budget is not None and args.tree_budget < 1:
         raise ValueError(f"--tree-budget must be at least 1, got {args.tree_budget}")
-    if args.tree_budget is not None and args.adaptive:
-        raise ValueError("--tree-budget and --adaptive cannot be combined (trees keep their size)")
     group = world_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -35,12 +36,15 @@ class Tree:
 
     `tokens[i]` is node i's token, `parents[i]` its parent (-1 for the root),
     `depths[i]` its distance from the root (the position after the last
-    committed token it stands for).
+    committed token it stands for), `logprobs[i]` its path's log-probability
+    under the drafter (summed along the path; the root's is 0). `build_tree`
+    adds nodes best first, so the first b + 1 nodes are the tree of budget b.
     """
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    logprobs: list[float] = field(default_factory=lambda: [0.0])
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,6 +55,16 @@ class Tree:
         while self.parents[nodes[-1]] >= 0:
             nodes.append(self.parents[nodes[-1]])
         return nodes[::-1]
+
+    def probabilities(self) -> list[float]:
+        """Each node's path probability under the drafter, the root's left out."""
+        return [math.exp(logprob) for logprob in self.logprobs[1:]]
+
+    def first(self, count: int) -> Tree:
+        """The tree of its first `count` nodes (parents come first: a tree again)."""
+        return Tree(
+            self.tokens[:count], self.parents[:count], self.depths[:count], self.logprobs[:count]
+        )
 
     def children(self) -> list[dict[int, int]]:
         """For each node: token -> child node."""
@@ -111,15 +125,15 @@ def search_tree(
     of probability 0 (-inf, e.g. outside a draft vocabulary) never enter the tree.
     """
     tree = Tree([root], [-1], [0])
-    slots, scores = [0], [0.0]  # each node's candidate index at its position, its score
+    slots = [0]  # each node's candidate index at its position
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent, position, rank)
     order = itertools.count()  # ties go to the earlier candidate
 
     def push(parent: int, position: int, rank: int) -> None:
         if position < len(tokens):
             logprobs = ranked(position, slots[parent])[1]
-            score = scores[parent] + logprobs[rank] if rank < len(logprobs) else -float("inf")
-            if score > -float("inf"):
+            score = tree.logprobs[parent] + logprobs[rank] if rank < len(logprobs) else -math.inf
+            if score > -math.inf:
                 heapq.heappush(heap, (-score, next(order), parent, position, rank))
 
     push(0, 0, 0)
@@ -130,7 +144,7 @@ def search_tree(
         tree.parents.append(parent)
         tree.depths.append(position + 1)
         slots.append(slot)
-        scores.append(-negative)
+        tree.logprobs.append(-negative)
         push(parent, position, rank + 1)
         push(len(tree) - 1, position + 1, 0)
     return tree

@@ -1,6 +1,7 @@
 """Adaptive drafting: the block size chosen by measured cost settles near the best fixed size
-(plain decoding when drafting does not pay, the full block when it is nearly free), and never
-changes the output."""
+(plain decoding when drafting does not pay, the full block when it is nearly free), a tree's
+budget chosen per cycle from the drafter's confidence beats every fixed budget when confidence
+tells good cycles from bad ones, and neither ever changes the output."""
 
 import random
 
@@ -10,7 +11,7 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.adaptive import AdaptiveBlock
+from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
@@ -180,5 +181,104 @@ def test_a_prompt_cache_keeps_its_block_policy(loaded):
 
 def test_a_block_policy_for_another_block_size_is_refused(loaded):
     model, tokenizer, draft = loaded("llama-untied-mha")
-    with pytest.raises(ValueError, match="block policy was made for block size 8, not 16"):
+    with pytest.raises(ValueError, match="made for block size 8, not block size 16"):
         run(model, draft, tokenizer, [5, 6, 7], max_tokens=4, block_policy=AdaptiveBlock(8))
+
+
+# A tree cycle's budget. The synthetic drafter proposes one chain per cycle whose i-th node has
+# path probability confidence^i; the target accepts each next node with probability `truth`
+# (so a calibrated drafter has truth == confidence). Cycles verifying n positions cost
+# drafted(n); a cycle that skips the drafter costs 1 (a plain step).
+
+
+def drafted(n: int) -> float:  # this CPU: the drafter ~0.15 of a step, each position +7 %
+    return 1.15 + 0.07 * (n - 1)
+
+
+def tree_cycle(rng: random.Random, confidence: float, truth: float, depth: int = 15):
+    probabilities = [confidence**i for i in range(1, depth + 1)]
+    accepted = 0
+    while accepted < depth and rng.random() < truth:
+        accepted += 1
+    return probabilities, accepted
+
+
+def simulate_tree(policy, kinds, cycles: int = 600, seed: int = 0):
+    """Tokens per unit cost over `cycles`, each of a (confidence, truth) drawn from `kinds`,
+    and the budgets chosen per kind (None: the drafter skipped)."""
+    rng = random.Random(seed)
+    tokens = spent = 0.0
+    chosen = {kind: [] for kind in kinds}
+    for _ in range(cycles):
+        kind = rng.choice(kinds)
+        probabilities, accepted = tree_cycle(rng, *kind)
+        if policy is None or not policy.draft_next():
+            budget, cost = None, 1.0
+        else:
+            budget = policy.budget(probabilities) if policy else len(probabilities)
+            cost = drafted(budget + 1)
+            policy.record(probabilities[:budget], min(accepted, budget), cost)
+        tokens += 1 + min(accepted, budget or 0)
+        spent += cost
+        chosen[kind].append(budget)
+    return tokens / spent, chosen
+
+
+def fixed_tree_rate(kinds, budget: int) -> float:
+    """Expected tokens per unit cost of a fixed budget (the drafter always runs)."""
+    expected = [1 + sum(truth**i for i in range(1, budget + 1)) for _, truth in kinds]
+    return sum(expected) / len(kinds) / drafted(budget + 1)
+
+
+CONFIDENT, UNSURE = (0.9, 0.9), (0.3, 0.3)
+
+
+def test_tree_budget_is_a_plain_step_when_nothing_is_accepted():
+    """An overconfident drafter that is never right: plain steps, the drafter mostly skipped."""
+    kinds = [(0.9, 0.0)]
+    rate, chosen = simulate_tree(AdaptiveTree(32), kinds)
+    assert rate >= 0.95  # a plain step without the drafter commits 1 token per unit
+    assert rate > max(fixed_tree_rate(kinds, b) for b in range(33))  # the drafter never pays
+    late = chosen[kinds[0]][100:]
+    assert late.count(None) > 0.8 * len(late)  # the drafter skipped
+    assert all(b in (None, 0, 1) for b in late)  # probes verify the smallest useful tree
+
+
+def test_tree_budget_grows_when_acceptance_is_high():
+    rate, chosen = simulate_tree(AdaptiveTree(32), [CONFIDENT])
+    best = max(fixed_tree_rate([CONFIDENT], b) for b in range(33))
+    assert rate >= 0.9 * best
+    late = chosen[CONFIDENT][100:]
+    assert None not in late and np.mean(late) >= 8
+
+
+def test_tree_budget_follows_each_cycles_confidence():
+    """Confident and unsure cycles mixed: big trees for the first, small ones for the second, which
+    no fixed budget can do."""
+    kinds = [CONFIDENT, UNSURE]
+    rate, chosen = simulate_tree(AdaptiveTree(32), kinds, cycles=1000)
+    best_fixed = max(fixed_tree_rate(kinds, b) for b in range(33))
+    assert rate > 1.1 * best_fixed
+    confident = [b for b in chosen[CONFIDENT][200:] if b is not None]
+    unsure = [b for b in chosen[UNSURE][200:] if b is not None]
+    assert np.median(confident) >= 8 and np.median(unsure) <= 2
+
+
+def test_tree_calibration_follows_an_overconfident_drafter():
+    policy = AdaptiveTree(32)
+    simulate_tree(policy, [(0.9, 0.6)], cycles=300)
+    # the drafter predicts 0.9 + 0.81 + ... where 0.6 + 0.36 + ... is accepted: s ~ 1.5 / (8.1)
+    predicted = sum(0.9**i for i in range(1, 16))
+    assert policy.accepted / policy.predicted == pytest.approx(1.5 / predicted, rel=0.5)
+
+
+def test_tree_costs_are_measured_per_size_and_the_first_tree_is_the_largest():
+    policy = AdaptiveTree(8)
+    assert policy.draft_next() and policy.budget([0.5] * 8) == 8
+    policy.record([0.5] * 8, 0, 2.0)
+    assert policy.seconds == {9: 2.0}
+    policy.draft_next()
+    assert policy.budget([0.5] * 8) == 0  # costed proportionally below 9: verify the root
+    policy.record([], 0, 1.0)
+    assert policy.seconds == {9: 2.0, 1: 1.0}
+    assert not policy.draft_next()  # after the root alone was best, plain steps

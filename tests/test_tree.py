@@ -4,6 +4,7 @@ caches can keep a tree's accepted path (and a clear refusal for the others)."""
 
 import itertools
 import json
+import random
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +25,7 @@ from test_sampling import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import keep_path
 from dflash_mlx.sampling import make_logprobs_transform
@@ -88,6 +90,14 @@ def test_tree_is_the_budget_best_prefixes(budget, seed):
     for node in range(1, len(tree)):
         assert tree.parents[node] < node
         assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
+        path = tree.path(node)[1:]
+        score = sum(logprobs[tree.depths[n] - 1, tree.tokens[n]] for n in path)
+        assert tree.logprobs[node] == pytest.approx(score, abs=1e-4)
+    # best first: probabilities never rise, and the first b + 1 nodes are the tree of budget b
+    probabilities = tree.probabilities()
+    assert probabilities == sorted(probabilities, reverse=True)
+    for smaller in range(budget):
+        assert prefixes(tree.first(smaller + 1)) == brute_force_best(logprobs, smaller)
 
 
 def test_ancestor_mask_and_walk():
@@ -203,6 +213,99 @@ def test_tree_greedy_equals_mlx_lm(family, tokenizer, name):
     assert tau(chain) == 1.0 and tau(tree) > 2.0
 
 
+class RandomBudget(AdaptiveTree):
+    """Any tree the budget allows, the drafter skipped now and then: the output must not care."""
+
+    def __init__(self, max_budget: int, seed: int):
+        super().__init__(max_budget)
+        self.rng = random.Random(seed)
+        self.chosen: list[int | None] = []
+
+    def draft_next(self) -> bool:
+        self.drafting = self.rng.random() < 0.8
+        if not self.drafting:
+            self.chosen.append(None)
+        return self.drafting
+
+    def budget(self, probabilities: list[float]) -> int:
+        self.chosen.append(self.rng.randint(0, len(probabilities)))
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma4_text"])
+def test_adaptive_tree_greedy_equals_mlx_lm(family, tokenizer, name):
+    model, draft, expected = family(name)
+    expected = expected[:MAX_TOKENS]
+    for budget in (4, 32):
+        policy = AdaptiveTree(budget)
+        tokens, responses = run(
+            model,
+            draft,
+            tokenizer,
+            PROMPT,
+            max_tokens=MAX_TOKENS,
+            tree_budget=budget,
+            adaptive=True,
+            block_policy=policy,
+        )
+        assert tokens == expected, (
+            f"budget {budget}: differs at {first_difference(tokens, expected)}"
+        )
+        assert all(r.proposed <= budget for r in responses)
+        assert policy.seconds  # its cycles were timed
+        randomly = RandomBudget(budget, seed=budget)
+        tokens, responses = run(
+            model,
+            draft,
+            tokenizer,
+            PROMPT,
+            max_tokens=MAX_TOKENS,
+            tree_budget=budget,
+            adaptive=True,
+            block_policy=randomly,
+        )
+        assert tokens == expected, (
+            f"budget {budget}: differs at {first_difference(tokens, expected)}"
+        )
+        proposed = [r.proposed for r in responses[1:]]  # the last cycle may have one token left
+        assert proposed[: len(randomly.chosen)] == [b or 0 for b in randomly.chosen]
+        assert len(proposed) - len(randomly.chosen) in (0, 1)
+        assert None in randomly.chosen and 0 in randomly.chosen and budget in randomly.chosen
+
+
+def test_adaptive_tree_is_kept_by_a_prompt_cache(loaded):
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    eos = set(tokenizer.eos_token_ids)
+    cache = make_prompt_cache(model, draft)
+    first = prompt_of(40, seed=24)
+    reply, _ = run(
+        model,
+        draft,
+        tokenizer,
+        first,
+        max_tokens=30,
+        prompt_cache=cache,
+        tree_budget=8,
+        adaptive=True,
+    )
+    assert reply == reference_greedy(model, first, 30, eos)
+    kept = cache.block_policy
+    assert isinstance(kept, AdaptiveTree) and kept.max_budget == 8 and kept.seconds
+    second = first + reply + prompt_of(6, seed=25)
+    tokens, _ = run(
+        model,
+        draft,
+        tokenizer,
+        second,
+        max_tokens=30,
+        prompt_cache=cache,
+        tree_budget=8,
+        adaptive=True,
+    )
+    assert tokens == reference_greedy(model, second, 30, eos)
+    assert cache.block_policy is kept
+
+
 def test_tree_with_long_chunked_prompts_and_a_prompt_cache_across_calls(loaded):
     model, tokenizer, draft = loaded("qwen3-tied-gqa")
     eos = set(tokenizer.eos_token_ids)
@@ -237,8 +340,30 @@ def test_bad_tree_settings_are_refused(loaded):
         next(stream_generate(model, draft, tokenizer, prompt, tree_budget=0))
     with pytest.raises(ValueError, match="tree verification needs a drafter"):
         next(stream_generate(model, None, tokenizer, prompt, tree_budget=4))
-    with pytest.raises(ValueError, match="cannot be combined"):
-        next(stream_generate(model, draft, tokenizer, prompt, tree_budget=4, adaptive=True))
+    with pytest.raises(ValueError, match="made for tree budget 8, not tree budget 4"):
+        next(
+            stream_generate(
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                tree_budget=4,
+                adaptive=True,
+                block_policy=AdaptiveTree(8),
+            )
+        )
+    with pytest.raises(ValueError, match="made for block size 16, not tree budget 4"):
+        next(
+            stream_generate(
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                tree_budget=4,
+                adaptive=True,
+                block_policy=AdaptiveBlock(16),
+            )
+        )
 
 
 @pytest.mark.parametrize("budget", [4, 16])
@@ -292,11 +417,11 @@ def test_cli_tree_budget_equals_greedy(make_pair, loaded):
     assert 0 < result["proposed"] <= 8 * result["cycles"]
     bad = dflash(f"generate --model {target} --draft {draft} -m 4 --tree-budget 0", "Hi")
     assert bad.returncode != 0 and "--tree-budget must be at least 1" in bad.stderr.splitlines()[-1]
-    both = dflash(f"chat --model {target} --draft {draft} --tree-budget 4 --adaptive", "")
-    assert both.returncode == 1
-    assert both.stderr.strip().endswith(
-        "--tree-budget and --adaptive cannot be combined (trees keep their size)"
+    sized = dflash(
+        f"generate --model {target} --draft {draft} --json -m 24 --tree-budget 8 --adaptive", "Hi"
     )
+    assert sized.returncode == 0, sized.stderr
+    assert json.loads(sized.stdout)["text"] == text
 
 
 def test_sliding_window_target_keeps_a_prompt_cache_across_tree_turns(family, tokenizer):
