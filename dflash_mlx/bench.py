@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock
+from .adaptive import AdaptiveBlock, AdaptiveTree
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
@@ -314,7 +314,8 @@ def bench(
         tokenizer = TokenizerWrapper(tokenizer)
     max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
-    policy = AdaptiveBlock(max_block)  # when adapting, each prompt goes on from the last
+    # when adapting, each prompt goes on from the last
+    policy = AdaptiveTree(tree_budget) if tree_budget else AdaptiveBlock(max_block)
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(
