@@ -237,37 +237,26 @@ def test_adaptive_tree_greedy_equals_mlx_lm(family, tokenizer, name):
     model, draft, expected = family(name)
     expected = expected[:MAX_TOKENS]
     for budget in (4, 32):
-        policy = AdaptiveTree(budget)
-        tokens, responses = run(
-            model,
-            draft,
-            tokenizer,
-            PROMPT,
-            max_tokens=MAX_TOKENS,
-            tree_budget=budget,
-            adaptive=True,
-            block_policy=policy,
-        )
-        assert tokens == expected, (
-            f"budget {budget}: differs at {first_difference(tokens, expected)}"
-        )
-        assert all(r.proposed <= budget for r in responses)
-        assert policy.seconds  # its cycles were timed
-        randomly = RandomBudget(budget, seed=budget)
-        tokens, responses = run(
-            model,
-            draft,
-            tokenizer,
-            PROMPT,
-            max_tokens=MAX_TOKENS,
-            tree_budget=budget,
-            adaptive=True,
-            block_policy=randomly,
-        )
-        assert tokens == expected, (
-            f"budget {budget}: differs at {first_difference(tokens, expected)}"
-        )
-        proposed = [r.proposed for r in responses[1:]]  # the last cycle may have one token left
+        policy, randomly = AdaptiveTree(budget), RandomBudget(budget, seed=budget)
+        for chooser in (policy, randomly):
+            tokens, responses = run(
+                model,
+                draft,
+                tokenizer,
+                PROMPT,
+                max_tokens=MAX_TOKENS,
+                tree_budget=budget,
+                adaptive=True,
+                block_policy=chooser,
+            )
+            assert tokens == expected, (
+                f"budget {budget}: differs at {first_difference(tokens, expected)}"
+            )
+            if chooser is policy:
+                assert all(r.proposed <= budget for r in responses)
+                assert policy.seconds  # its cycles were timed
+        # the random chooser's responses (the loop's last); the last cycle may have one token left
+        proposed = [r.proposed for r in responses[1:]]
         assert proposed[: len(randomly.chosen)] == [b or 0 for b in randomly.chosen]
         assert len(proposed) - len(randomly.chosen) in (0, 1)
         assert None in randomly.chosen and 0 in randomly.chosen and budget in randomly.chosen
