@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import copy_dir, reference_greedy
 from mlx.utils import tree_flatten
-from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token
+from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token, sample_runs
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -106,17 +106,9 @@ def test_generation_is_exact_in_distribution_with_a_reduced_vocab(loaded):
     expected = exact_second_token(model, prompt, transform)
     mx.random.seed(4)
     drafter = RestrictedNoisyOracle(draft, model, prompt, vocab)
-    second, accepted = [], []
-    for _ in range(1000):
-        responses = list(
-            stream_generate(
-                model, drafter, tokenizer, prompt, block_size=2, max_tokens=3, temperature=1.0
-            )
-        )
-        second.append([t for r in responses for t in r.tokens][1])
-        accepted.append(responses[1].accepted)
+    tokens, accepted = sample_runs(model, drafter, tokenizer, prompt, 2, temperature=1.0)
     assert 0.02 < np.mean(accepted) < 0.98
-    assert chi2_pvalue(np.array(second), expected) > SIGNIFICANCE
+    assert chi2_pvalue(np.array([t[1] for t in tokens]), expected) > SIGNIFICANCE
 
 
 def heads() -> dict[str, tuple[nn.Module, object]]:
