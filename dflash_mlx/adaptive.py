@@ -22,6 +22,12 @@ measured as the loop runs:
   steps say nothing about the drafter, so only probes notice that the text
   turned to something it drafts well.
 
+When sampling, which random draws a cycle consumes depends on its size, so a
+seeded run is reproducible only if the sizes do not depend on timing. There the
+policy costs the sizes from a fixed table for the backend (`FIXED_CYCLE_COSTS`,
+measured once and written down) instead of the clock: its choices follow the
+acceptance alone, and the same seed gives the same reply.
+
 A policy is worth keeping across generations of the same target and drafter
 (`stream_generate(block_policy=...)`, or a `PromptCache`, carries it): the
 costs and acceptance it learned hold for the next reply too, so it does not
@@ -35,6 +41,18 @@ never changes the output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# A cycle's cost by block size, relative to a plain step through the loop, for
+# sampled runs (no timing). CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS,
+# the shipped drafter (benchmarks/README.md: a block-3 cycle 1.19-1.31 mlx-lm steps,
+# a block-16 one 1.68-1.82, a 16-position forward 1.70 one-position forwards).
+# GPU: Qwen3-4B/8B shapes on an H100 through MLX's CUDA backend (../shared/notes/gpu.md:
+# the loop at block 1 1.43 mlx-lm steps, a 16-position cycle 2.2, a 2-position
+# forward about as dear as a 16-position one); Metal is costed like it until measured.
+FIXED_CYCLE_COSTS = {
+    "cpu": {1: 1.0, 2: 1.15, 3: 1.25, 4: 1.35, 8: 1.6, 16: 1.8},
+    "gpu": {1: 1.0, 2: 1.4, 16: 1.6},
+}
 
 
 def block_ladder(max_block: int) -> list[int]:
@@ -75,6 +93,7 @@ class AdaptiveBlock:
     min_probe_gap: int = 8
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while block 1 is best
+    fixed_costs: dict[int, float] | None = None  # costs by size instead of timings (sampling)
     sizes: list[int] = field(init=False)
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -90,6 +109,13 @@ class AdaptiveBlock:
         self.tried = [0.0] * (self.block_size - 1)
         self.accepted = [0.0] * (self.block_size - 1)
         self.probe_gap = self.next_probe = self.min_probe_gap
+        if self.fixed_costs is not None:
+            self.seconds = {n: interpolated_cost(self.fixed_costs, n) for n in self.sizes}
+
+    @property
+    def timed(self) -> bool:
+        """Whether the sizes are costed by the clock (greedy) or by a fixed table (sampling)."""
+        return self.fixed_costs is None
 
     def acceptance_rates(self) -> list[float]:
         """a_1 .. a_{block_size - 1}: estimated acceptance of each draft given the ones before."""
@@ -140,7 +166,8 @@ class AdaptiveBlock:
         for k in range(min(committed, block_size - 1)):  # drafts reached: accepted ones + 1
             self.tried[k] += 1
             self.accepted[k] += k < committed - 1
-        running_average(self.seconds, block_size, seconds, self.smoothing)
+        if self.timed:
+            running_average(self.seconds, block_size, seconds, self.smoothing)
 
 
 @dataclass

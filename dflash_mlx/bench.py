@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock, AdaptiveTree
+from .adaptive import AdaptiveTree
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
@@ -48,6 +48,7 @@ from .generate import (
     GenerationResponse,
     PromptCache,
     make_prompt_cache,
+    new_block_policy,
     stream_generate,
 )
 from .sampling import RULES
@@ -315,7 +316,8 @@ def bench(
     max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
     # when adapting, each prompt goes on from the last
-    policy = AdaptiveTree(tree_budget) if tree_budget else AdaptiveBlock(max_block)
+    timed = temperature == 0
+    policy = AdaptiveTree(tree_budget) if tree_budget else new_block_policy(max_block, timed)
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(

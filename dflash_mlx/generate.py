@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock, AdaptiveTree
+from .adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree
 from .distributed import world_group
 from .draft import DFlashDraft
 from .rollback import keep_path, trim_caches
@@ -189,11 +189,12 @@ def stream_generate(
     pass the whole conversation as `prompt`; only the new part is prefilled.
     `adaptive` picks each cycle's block size, up to `block_size`, to maximise
     the expected tokens per second from the acceptance and cycle times measured
-    so far (block 1 when drafting does not pay; see `adaptive.py`). The output
-    is the same either way, but which random draws a sampled cycle consumes
-    depends on its size, so by default it adapts only for greedy decoding with
-    no `block_size` given: a seeded sampled run stays reproducible. Under
-    `mlx.launch` it never adapts: every rank must run the same cycles.
+    so far (block 1 when drafting does not pay; see `adaptive.py`); it is on by
+    default when no `block_size` is given. The output is the same either way,
+    but which random draws a sampled cycle consumes depends on its size, so a
+    sampled run costs the sizes from a fixed per-backend table instead of the
+    clock: a seeded sampled run stays reproducible. Under `mlx.launch` it never
+    adapts: every rank must run the same cycles.
     `block_policy` (an `AdaptiveBlock` for this block size, or an `AdaptiveTree`
     for this tree budget) keeps what adapting learned: pass the same one to
     successive calls with one target and drafter so that each starts from the
@@ -224,14 +225,9 @@ def stream_generate(
     if tree_budget and draft is None:
         raise ValueError("tree verification needs a drafter")
     lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
+    timed = temperature == 0 and sampler is None  # greedy: the sizes may follow the clock
     if adaptive is None:
-        adaptive = (
-            block_size is None
-            and temperature == 0
-            and sampler is None
-            and not lockstep
-            and not tree_budget
-        )
+        adaptive = block_size is None and not lockstep and not tree_budget
     elif adaptive and lockstep:
         raise ValueError("adaptive block sizes time each rank apart; they cannot run sharded")
     if block_size is None:
@@ -267,11 +263,14 @@ def stream_generate(
         raise ValueError(
             f"the block policy was made for {made_for}, not {' '.join(map(str, wanted))}"
         )
+    if isinstance(block_policy, AdaptiveBlock) and block_policy.timed != timed:
+        made_for = "greedy decoding" if block_policy.timed else "sampling"
+        raise ValueError(f"the block policy was made for {made_for}: make a new one")
     policy = None
     if adaptive and block_size > 1:
         kept = block_policy or prompt_cache.block_policy
-        if kept is None or policy_setting(kept) != wanted:
-            kept = AdaptiveTree(tree_budget) if tree_budget else AdaptiveBlock(block_size)
+        if kept is None or policy_setting(kept) != wanted or getattr(kept, "timed", timed) != timed:
+            kept = AdaptiveTree(tree_budget) if tree_budget else new_block_policy(block_size, timed)
         policy = prompt_cache.block_policy = kept
     return _speculate(
         target,
@@ -285,6 +284,14 @@ def stream_generate(
         verifier,
         tree_budget,
     )
+
+
+def new_block_policy(block_size: int, timed: bool) -> AdaptiveBlock:
+    """A block policy costing sizes by the clock, or (sampling) by the backend's fixed table."""
+    if timed:
+        return AdaptiveBlock(block_size)
+    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    return AdaptiveBlock(block_size, fixed_costs=FIXED_CYCLE_COSTS[backend])
 
 
 def policy_setting(policy: AdaptiveBlock | AdaptiveTree) -> tuple[str, int]:

@@ -58,9 +58,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
-        help="choose each cycle's block size by measured cost, up to --block-size or the "
-        "drafter's (default: on for greedy decoding without --block-size); with "
-        "--tree-budget, each tree's size from the drafter's confidence (default: off)",
+        help="choose each cycle's block size by cost, up to --block-size or the drafter's "
+        "(default: on without --block-size; sampled runs cost sizes from a fixed table, "
+        "so a --seed reproduces them); with --tree-budget, each tree's size from the "
+        "drafter's confidence (default: off)",
     )
     parser.add_argument(
         "--acceptance",

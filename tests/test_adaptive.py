@@ -5,13 +5,14 @@ tells good cycles from bad ones, and neither ever changes the output."""
 
 import random
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
+from dflash_mlx.adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
@@ -183,6 +184,45 @@ def test_a_block_policy_for_another_block_size_is_refused(loaded):
     model, tokenizer, draft = loaded("llama-untied-mha")
     with pytest.raises(ValueError, match="made for block size 8, not block size 16"):
         run(model, draft, tokenizer, [5, 6, 7], max_tokens=4, block_policy=AdaptiveBlock(8))
+
+
+def test_a_sampling_policy_ignores_the_clock():
+    """With fixed costs the sizes follow the acceptance alone: two runs fed the same
+    acceptance and very different timings choose the same sizes."""
+    costs = FIXED_CYCLE_COSTS["cpu"]
+    chosen = []
+    for timing in (lambda n: 1.0, lambda n: 1e-3 * n**3):
+        policy, rng, sizes = AdaptiveBlock(16, fixed_costs=costs), random.Random(3), []
+        for _ in range(200):
+            n = policy.next_block_size()
+            accepted = 0
+            while accepted < n - 1 and rng.random() < WEAK[accepted]:
+                accepted += 1
+            policy.record(n, accepted + 1, timing(n))
+            sizes.append(n)
+        chosen.append(sizes)
+    assert chosen[0] == chosen[1]
+    assert {2, 3, 4} & set(chosen[0]) and max(chosen[0]) < 16  # a weak drafter: short blocks
+    assert policy.cost(3) == pytest.approx(costs[3]) and policy.cost(6) == pytest.approx(1.475)
+
+
+def test_seeded_sampling_adapts_by_default_and_stays_reproducible(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(29).integers(4, 300, size=12).tolist()
+    replies = []
+    for _ in range(2):
+        cache = dflash_mlx.make_prompt_cache(model, draft)
+        mx.random.seed(11)
+        tokens, responses = run(
+            model, draft, tokenizer, prompt, max_tokens=120, prompt_cache=cache, temperature=1.0
+        )
+        replies.append((tokens, [r.proposed for r in responses]))
+        assert not cache.block_policy.timed  # sampling: fixed costs, not the clock
+    assert replies[0] == replies[1]
+    assert len(set(replies[0][1][1:])) > 1  # the block size changed along the way
+    with pytest.raises(ValueError, match="made for greedy decoding: make a new one"):
+        run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0,
+            block_policy=AdaptiveBlock(16))  # fmt: skip
 
 
 # A tree cycle's budget. The synthetic drafter proposes one chain per cycle whose i-th node has

@@ -4,12 +4,12 @@ distribution (chi-square against exactly computed target probabilities, p-value 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_presence_penalty, make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_presence_penalty, make_sampler
 from scipy.stats import chisquare
 
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import Verifier, make_logprobs_transform, make_verifier
+from dflash_mlx.sampling import Verifier, make_logprobs_transform, make_verifier, nucleus
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
 
@@ -52,6 +52,18 @@ def test_transform_is_the_distribution_mlx_lm_samples(setting):
     logprobs = logits - mx.logsumexp(logits)
     samples = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
     assert chi2_pvalue(samples, probs) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.999])
+def test_nucleus_is_mlx_lms_top_p_bit_for_bit(top_p):
+    mx.random.seed(1)
+    for shape, scale in [((16, 49152), 3.0), ((1, 300), 1.0), ((5, 7), 0.1)]:
+        logits = mx.random.normal(shape) * scale
+        logits[..., :3] = -mx.inf  # filtered tokens, ties among them
+        logits[..., 3:5] = logits[..., 5:6]  # ties among live ones
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ours, theirs = np.array(nucleus(logprobs, top_p)), np.array(apply_top_p(logprobs, top_p))
+        assert np.array_equal(ours.view(np.int32), theirs.view(np.int32)), shape
 
 
 def test_speculative_verify_emits_the_target_distribution():
