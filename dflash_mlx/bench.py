@@ -47,6 +47,7 @@ from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import (
     GenerationResponse,
     PromptCache,
+    clock_may_choose,
     make_prompt_cache,
     new_block_policy,
     stream_generate,
@@ -316,7 +317,7 @@ def bench(
     max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
     # when adapting, each prompt goes on from the last
-    timed = temperature == 0
+    timed = clock_may_choose(temperature, None)
     policy = AdaptiveTree(tree_budget) if tree_budget else new_block_policy(max_block, timed)
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:

@@ -193,8 +193,9 @@ def stream_generate(
     default when no `block_size` is given. The output is the same either way,
     but which random draws a sampled cycle consumes depends on its size, so a
     sampled run costs the sizes from a fixed per-backend table instead of the
-    clock: a seeded sampled run stays reproducible. Under `mlx.launch` it never
-    adapts: every rank must run the same cycles.
+    clock: a seeded sampled run stays reproducible. So does every run under
+    `mlx.launch`, where all ranks must choose the same sizes (trees there never
+    adapt).
     `block_policy` (an `AdaptiveBlock` for this block size, or an `AdaptiveTree`
     for this tree budget) keeps what adapting learned: pass the same one to
     successive calls with one target and drafter so that each starts from the
@@ -224,12 +225,11 @@ def stream_generate(
         raise ValueError(f"tree_budget must be at least 1, got {tree_budget}")
     if tree_budget and draft is None:
         raise ValueError("tree verification needs a drafter")
-    lockstep = world_group() is not None  # ranks must choose the same sizes: no timing
-    timed = temperature == 0 and sampler is None  # greedy: the sizes may follow the clock
+    timed = clock_may_choose(temperature, sampler)
     if adaptive is None:
-        adaptive = block_size is None and not lockstep and not tree_budget
-    elif adaptive and lockstep:
-        raise ValueError("adaptive block sizes time each rank apart; they cannot run sharded")
+        adaptive = block_size is None and not tree_budget
+    elif adaptive and tree_budget and world_group() is not None:
+        raise ValueError("adaptive tree sizes time each rank apart; they cannot run sharded")
     if block_size is None:
         block_size = draft.config.block_size if draft else 1
     if block_size < 1:
@@ -286,8 +286,15 @@ def stream_generate(
     )
 
 
+def clock_may_choose(temperature: float, sampler: Sampler | None) -> bool:
+    """Whether measured times may choose the block sizes: only where the sizes change
+    nothing but speed. A sampled cycle consumes random draws by its size, and ranks in
+    lockstep (`mlx.launch`) must choose alike; both cost the sizes from a fixed table."""
+    return temperature == 0 and sampler is None and world_group() is None
+
+
 def new_block_policy(block_size: int, timed: bool) -> AdaptiveBlock:
-    """A block policy costing sizes by the clock, or (sampling) by the backend's fixed table."""
+    """A block policy costing sizes by the clock, or by the backend's fixed table."""
     if timed:
         return AdaptiveBlock(block_size)
     backend = "cpu" if mx.default_device() == mx.cpu else "gpu"

@@ -146,6 +146,21 @@ def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loa
     assert err.count("tok/s") == 1, err  # the stats line, from rank 0 only
 
 
+def test_mlx_launch_adapts_block_sizes_alike_on_every_rank(make_pair, loaded):
+    """Without --block-size every rank chooses each cycle's size from the acceptance and the
+    fixed cost table: the sizes change (the random drafter is never accepted), the ranks stay
+    in step, and the reply is the one process's greedy reply."""
+    model, tokenizer, drafter = loaded("llama-tied-gqa")
+    text = chat_prompt(tokenizer, [{"role": "user", "content": "How many apples?"}])
+    expected = dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=30, block_size=1)
+    argv = ["generate", *model_flags(make_pair("llama-tied-gqa"), 30), "-p", "How many apples?"]
+    status, out, err = launch([*argv, "--json"])
+    assert status == 0, err
+    result = json.loads(out)
+    assert result["text"] == expected
+    assert 0 < result["proposed"] < 15 * result["cycles"]  # drafted, but not the full block
+
+
 def test_mlx_launch_chat_replies_as_one_process_with_the_prompt_cache(make_pair, loaded):
     tokenizer = loaded("llama-tied-gqa")[1]
     questions, messages, expected = ["How many apples?", "And pears?"], [], []
