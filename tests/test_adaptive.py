@@ -12,7 +12,7 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree
+from dflash_mlx.adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree, interpolated_cost
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
@@ -204,6 +204,15 @@ def test_a_sampling_policy_ignores_the_clock():
     assert chosen[0] == chosen[1]
     assert {2, 3, 4} & set(chosen[0]) and max(chosen[0]) < 16  # a weak drafter: short blocks
     assert policy.cost(3) == pytest.approx(costs[3]) and policy.cost(6) == pytest.approx(1.475)
+
+
+@pytest.mark.parametrize("backend", sorted(FIXED_CYCLE_COSTS))
+@pytest.mark.parametrize("rates, settles_on", [(STRONG, 16), (NEVER, 1)], ids=["strong", "never"])
+def test_fixed_costs_settle_on_the_full_block_or_plain_steps(backend, rates, settles_on):
+    costs = FIXED_CYCLE_COSTS[backend]
+    policy = AdaptiveBlock(16, fixed_costs=costs)
+    _, sizes = simulate(policy, rates, lambda n: interpolated_cost(costs, n), cycles=200)
+    assert max(set(sizes[-50:]), key=sizes[-50:].count) == settles_on
 
 
 def test_seeded_sampling_adapts_by_default_and_stays_reproducible(loaded):
