@@ -4,8 +4,10 @@
     python benchmarks/verify_forward.py --rounds 15 --sizes 1,2,3,4,8,16
 
 `TargetAdapter.forward` (what the loop verifies with) computes the float32 linear
-layers and the tied LM head as `(W @ x.T).T` when there are several positions;
-`model(...)` is mlx-lm's own forward. Each round times every size with both,
+layers of the blocks as `(W @ x.T).T` when there are several positions, and takes
+the exps of the SwiGLUs and attention softmaxes from `cpu_math`; "linear only" is
+the same forward with the linear layers swapped alone (the verify forward before
+`cpu_math`); `model(...)` is mlx-lm's own forward. Each round times every size with both,
 interleaved, after the context was prefilled (the cache is trimmed back after
 each forward), so a burst of load from other jobs hits both alike. Reports the
 median and the minimum over rounds (the minimum is the least disturbed by other
@@ -27,6 +29,7 @@ import mlx.core as mx
 
 from dflash_mlx import TargetAdapter, load
 from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.target import _RowwiseLinear, _verify_swaps
 
 
 def main() -> None:
@@ -38,11 +41,13 @@ def main() -> None:
     args = parser.parse_args()
 
     model, _ = load(args.model or smollm2_model_dir())
-    target = TargetAdapter(model)
+    target, linear_only = TargetAdapter(model), TargetAdapter(model)
+    linear_only._verify_swaps = [s for s in _verify_swaps(target.layers) if s[2] is _RowwiseLinear]
     cache = target.make_cache()
     mx.eval(model(mx.arange(100, 100 + args.context)[None], cache=cache))
     variants = {
         "mlx-lm forward": lambda tokens: model(tokens[None], cache=cache)[0],
+        "linear only": lambda tokens: linear_only.forward(tokens, cache),
         "verify forward": lambda tokens: target.forward(tokens, cache),
     }
     sizes = [int(n) for n in args.sizes.split(",")]

@@ -21,7 +21,13 @@ CPU) swaps the float32 `nn.Linear` layers of the transformer blocks, while its
 graph is built, to a class that computes `x @ W.T` as `(W @ x.T).T`, and back
 right after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here,
 the transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward"). The
-LM head keeps mlx-lm's product: over 16 rows that one is the faster.
+LM head keeps mlx-lm's product: over 16 rows that one is the faster. Modules
+whose `__call__` calls mlx-lm's `swiglu` or `scaled_dot_product_attention`
+(MLPs, MoE activations, attention) get, the same way, a subclass whose
+`__call__` is their own code reading those two names from a copy of its
+globals that binds `cpu_math`'s: MLX's CPU `exp` is scalar, and over 16
+positions and a long context the SwiGLUs' and softmaxes' exps are a large part
+of the forward ("cpu_math" in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
 from threading import Lock
+from types import FunctionType
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
-from mlx_lm.models.base import gather_last_axis
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -48,6 +56,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
+from . import cpu_math
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 
@@ -230,6 +239,61 @@ class _RowwiseLinear(nn.Linear):
         return out.T.reshape(*x.shape[:-1], -1)
 
 
+def _verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` with `cpu_math`'s softmax where it applies."""
+    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return cpu_math.attention(queries, keys, values, scale, mask)
+
+
+# A module whose `__call__` calls these mlx-lm functions (as globals of its own module)
+# calls the replacements instead during a CPU verify forward.
+_CPU_MATH_REPLACEMENTS = {
+    "swiglu": (swiglu, cpu_math.swiglu),
+    "scaled_dot_product_attention": (scaled_dot_product_attention, _verify_sdpa),
+}
+_CPU_MATH_CLASSES: dict[type, type | None] = {}
+
+
+def _cpu_math_class(cls: type) -> type | None:
+    """A subclass of `cls` whose `__call__` is its own code with `cpu_math`'s SwiGLU and
+    attention bound in place of mlx-lm's, or None when it calls neither.
+
+    The code object and closure are `cls.__call__`'s; only the globals it reads those
+    two names from differ, in a copy: mlx-lm's module and class stay as they are.
+    """
+    if cls not in _CPU_MATH_CLASSES:
+        call, verify = cls.__call__, None
+        if isinstance(call, FunctionType):
+            bound = {
+                name: ours
+                for name, (theirs, ours) in _CPU_MATH_REPLACEMENTS.items()
+                if name in call.__code__.co_names and call.__globals__.get(name) is theirs
+            }
+            if bound:
+                code, defaults, closure = call.__code__, call.__defaults__, call.__closure__
+                rebound = FunctionType(
+                    code, {**call.__globals__, **bound}, call.__name__, defaults, closure
+                )
+                rebound.__kwdefaults__ = call.__kwdefaults__
+                verify = type(f"CpuMath{cls.__name__}", (cls,), {"__call__": rebound})
+        _CPU_MATH_CLASSES[cls] = verify
+    return _CPU_MATH_CLASSES[cls]
+
+
+def _verify_swaps(layers: list[nn.Module | None]) -> list[tuple[nn.Module, type, type]]:
+    """(module, its class, its class during a CPU verify forward) for the blocks' modules
+    that have one: float32 linear layers, and modules calling mlx-lm's SwiGLU or SDPA."""
+    swaps = []
+    for layer in filter(None, layers):  # None: another pipeline rank's layer
+        for m in layer.modules():
+            if type(m) is nn.Linear and m.weight.dtype == mx.float32:
+                swaps.append((m, nn.Linear, _RowwiseLinear))
+            elif (verify := _cpu_math_class(type(m))) is not None:
+                swaps.append((m, type(m), verify))
+    return swaps
+
+
 class RestrictedHead:
     """`head` (an LM head or a tied embedding) over the rows `token_ids` only.
 
@@ -407,33 +471,28 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
-        self._rowwise: list[nn.Module] | None = None
+        self._verify_swaps: list[tuple[nn.Module, type, type]] | None = None
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
         Over several positions on the CPU the float32 linear layers take the
-        product the cheaper way round for a few rows (see the module docstring).
+        product the cheaper way round for a few rows, and SwiGLUs and attention
+        take their exps from `cpu_math` (see the module docstring).
         """
         if tokens.size == 1 or mx.default_device() != mx.cpu:
             return self.model(tokens[None], cache=cache)[0]
-        if self._rowwise is None:
-            self._rowwise = [
-                m
-                for layer in self.layers
-                if layer is not None  # pipeline: another rank's layer
-                for m in layer.modules()
-                if type(m) is nn.Linear and m.weight.dtype == mx.float32
-            ]
-        hooked = [m for m in self._rowwise if type(m) is nn.Linear]
+        if self._verify_swaps is None:
+            self._verify_swaps = _verify_swaps(self.layers)
+        hooked = [(m, cls, verify) for m, cls, verify in self._verify_swaps if type(m) is cls]
         with _HOOKING:  # graph building only: the classes are back before anything runs
-            for m in hooked:
-                m.__class__ = _RowwiseLinear
+            for m, _, verify in hooked:
+                m.__class__ = verify
             try:
                 return self.model(tokens[None], cache=cache)[0]
             finally:
-                for m in hooked:
-                    m.__class__ = nn.Linear
+                for m, cls, _ in hooked:
+                    m.__class__ = cls
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""

@@ -1,0 +1,112 @@
+"""cpu_math: the verify forward's exp, SwiGLU and attention against float64 references
+and MLX's own kernels, and how the verify forward binds them."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
+
+from dflash_mlx import cpu_math
+from dflash_mlx.target import TargetAdapter, _cpu_math_class
+
+FLOAT32_ULP = 2.0**-23
+
+
+def test_exp_is_within_two_ulps_of_the_true_value():
+    mx.random.seed(0)
+    x = mx.concatenate([mx.random.uniform(-87.3, 0.0, (200_000,)), mx.array([0.0, -1e-30, -1.0])])
+    ours = np.array(cpu_math.exp_nonpositive(x), dtype=np.float64)
+    exact = np.exp(np.array(x, dtype=np.float64))
+    assert np.max(np.abs(ours - exact) / exact) < 2 * FLOAT32_ULP
+    assert ours[-3:].tolist() == [1.0, 1.0, pytest.approx(np.exp(-1.0), rel=FLOAT32_ULP)]
+
+
+def test_exp_flushes_below_the_smallest_normal_number_and_takes_positives_as_zero():
+    x = mx.array([-87.4, -100.0, -1e30, -mx.inf, 3.0])
+    assert np.array(cpu_math.exp_nonpositive(x)).tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_swiglu_is_silu_times_up_to_float32_rounding():
+    mx.random.seed(1)
+    gate = mx.random.normal((4, 1536)) * 6
+    gate[0, :4] = mx.array([-200.0, -30.0, 0.0, 30.0])
+    up = mx.random.normal(gate.shape)
+    g, u = (np.array(a, dtype=np.float64) for a in (gate, up))
+    exact = g / (1.0 + np.exp(-g)) * u
+    ours = np.array(cpu_math.swiglu(gate, up), dtype=np.float64)
+    mlx_lms = np.array(swiglu(gate, up), dtype=np.float64)
+    scale = np.abs(exact) + 1e-30
+    assert np.max(np.abs(ours - exact) / scale) < 8 * FLOAT32_ULP
+    assert np.max(np.abs(ours - exact) / scale) <= np.max(np.abs(mlx_lms - exact) / scale)
+
+
+def test_softmax_sums_to_one_and_matches_float64():
+    mx.random.seed(2)
+    x = mx.random.normal((5, 300)) * 20
+    x[1, :100] = -mx.inf
+    exact = np.exp(np.array(x, dtype=np.float64) - np.array(x.max(axis=-1, keepdims=True)))
+    exact /= exact.sum(axis=-1, keepdims=True)
+    ours = np.array(cpu_math.softmax(x), dtype=np.float64)
+    assert np.max(np.abs(ours - exact)) < 1e-6
+    assert np.all(ours[1, :100] == 0.0)
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "additive", "bool per head"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_attention_equals_mlx_fast_sdpa(mask, heads):
+    mx.random.seed(3)
+    (h, kv), length, keys = heads, 5, 23
+    q = mx.random.normal((1, h, length, 16))
+    k, v = mx.random.normal((1, kv, keys, 16)), mx.random.normal((1, kv, keys, 16))
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(length, keys)) > 0.3
+        mask[:, -1] = True
+    elif mask == "additive":
+        mask = mx.random.normal((1, h, length, keys))
+    elif mask == "bool per head":
+        mask = mx.random.uniform(shape=(1, h, length, keys)) > 0.3
+        mask[..., 0] = True
+    ours = cpu_math.attention(q, k, v, 0.25, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert ours.shape == theirs.shape
+    assert mx.allclose(ours, theirs, atol=2e-6)
+
+
+def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
+    mlp, attention = _cpu_math_class(llama.MLP), _cpu_math_class(llama.Attention)
+    assert issubclass(mlp, llama.MLP) and issubclass(attention, llama.Attention)
+    assert mlp.__call__.__globals__["swiglu"] is cpu_math.swiglu
+    assert llama.MLP.__call__.__globals__["swiglu"] is swiglu  # mlx-lm's module is untouched
+    assert llama.swiglu is swiglu
+    assert _cpu_math_class(nn.Linear) is None  # calls neither
+
+    class OwnSwiGLU(nn.Module):  # a global of another name or meaning is left alone
+        def __call__(self, x):
+            return swiglu_like(x)
+
+    def swiglu_like(x):
+        return x
+
+    assert _cpu_math_class(OwnSwiGLU) is None
+
+
+def test_a_verify_mlp_computes_what_mlx_lms_does():
+    mx.random.seed(4)
+    args = llama.ModelArgs("llama", 64, 1, 160, 4, 1e-5, 100, num_key_value_heads=2)
+    mlp = llama.MLP(args)
+    x = mx.random.normal((1, 7, 64))
+    plain = mlp(x)
+    mlp.__class__ = _cpu_math_class(llama.MLP)
+    assert mx.allclose(mlp(x), plain, atol=1e-5)
+
+
+def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
+    model, _, _ = loaded("llama-tied-gqa")
+    target = TargetAdapter(model)
+    target.forward(mx.array([5, 9, 33]), target.make_cache())
+    verify_classes = {verify.__name__ for _, _, verify in target._verify_swaps}
+    assert verify_classes == {"_RowwiseLinear", "CpuMathMLP", "CpuMathAttention"}
+    blocks = len(target.layers)
+    assert sum(v.__name__ == "CpuMathAttention" for _, _, v in target._verify_swaps) == blocks
