@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * _LN2_HI is exact
@@ -93,9 +94,9 @@ def softmax(x: mx.array) -> mx.array:
 @lru_cache(maxsize=8)
 def _causal_mask(queries: int, keys: int) -> mx.array:
     """0 where query i may see key j (j <= keys - queries + i), -inf elsewhere: one array
-    for all the layers of a forward."""
-    seen = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
-    return mx.where(seen, 0.0, -mx.inf)
+    for all the layers of a forward, made from data (no graph to share between threads)."""
+    seen = np.arange(keys - queries, keys)[:, None] >= np.arange(keys)[None]
+    return mx.array(np.where(seen, 0.0, -np.inf).astype(np.float32))
 
 
 def attention(
