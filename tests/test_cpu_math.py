@@ -81,6 +81,7 @@ def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
     assert llama.MLP.__call__.__globals__["swiglu"] is swiglu  # mlx-lm's module is untouched
     assert llama.swiglu is swiglu
     assert _cpu_math_class(nn.Linear) is None  # calls neither
+    assert _cpu_math_class(nn.Module) is None  # no __call__ of its own
 
     class OwnSwiGLU(nn.Module):  # a global of another name or meaning is left alone
         def __call__(self, x):
