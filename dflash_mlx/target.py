@@ -263,7 +263,7 @@ def _cpu_math_class(cls: type) -> type | None:
     two names from differ, in a copy: mlx-lm's module and class stay as they are.
     """
     if cls not in _CPU_MATH_CLASSES:
-        call, verify = getattr(cls, "__call__", None), None
+        call, verify = cls.__call__, None
         if isinstance(call, FunctionType):
             bound = {
                 name: ours
