@@ -1,14 +1,15 @@
-"""Sampled generation against mlx-lm: today's default beside the one before it.
+"""Sampled generation against mlx-lm: today's default beside it with MLX's own exp.
 
     python benchmarks/sampled.py                      # SmolLM2-135M + the shipped drafter
     python benchmarks/sampled.py --rounds 3 --max-tokens 96
 
 Per prompt and setting, interleaved: mlx-lm's `stream_generate` with its `make_sampler`;
 this project's loop as it runs by default (block sizes chosen from the acceptance against
-the backend's fixed cycle costs, top-p sorted by numpy on the CPU); and the loop as it ran
-before both changes (the drafter's full block every cycle, mlx-lm's `apply_top_p`). Each
-run starts from the same seed; the default one runs twice to check that a seeded sampled
-run is reproducible. Reports median decode tok/s and the ratio to mlx-lm.
+the backend's fixed cycle costs, top-p sorted by numpy on the CPU, the full-vocabulary
+normalisations through `cpu_math`'s exp on the CPU); and the same loop normalising with
+`mx.logsumexp` ("mlx exp", the default before session 5). Each run starts from the same
+seed; the default one runs twice to check that a seeded sampled run is reproducible.
+Reports median decode tok/s and the ratio to mlx-lm.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.sample_utils import apply_top_p, make_sampler
+from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx import load, load_draft, sampling, stream_generate
 from dflash_mlx.chat_format import render
@@ -65,9 +66,9 @@ def main() -> None:
 
     model, tokenizer = load(args.model or smollm2_model_dir())
     draft = load_draft(args.draft)
-    default_top_p = sampling.nucleus
+    default_logsumexp = sampling.logsumexp
     for setting in SETTINGS:
-        rates = {"mlx-lm": [], "default": [], "before": []}
+        rates = {"mlx-lm": [], "default": [], "mlx exp": []}
         reproducible = True
         for r in range(args.rounds):
             for i, prompt in enumerate(PROMPTS):
@@ -78,12 +79,12 @@ def main() -> None:
                 again, rate = dflash_run(model, draft, tokenizer, ids, **run)
                 reproducible &= first == again
                 rates["default"].append(rate)
-                sampling.nucleus = lambda logprobs, p: apply_top_p(logprobs, p)
+                sampling.logsumexp = lambda x: mx.logsumexp(x, axis=-1, keepdims=True)
                 try:
-                    _, rate = dflash_run(model, draft, tokenizer, ids, adaptive=False, **run)
+                    _, rate = dflash_run(model, draft, tokenizer, ids, **run)
                 finally:
-                    sampling.nucleus = default_top_p
-                rates["before"].append(rate)
+                    sampling.logsumexp = default_logsumexp
+                rates["mlx exp"].append(rate)
         base = statistics.median(rates["mlx-lm"])
         print(f"{setting}: seeded reruns identical: {reproducible}")
         for name, values in rates.items():

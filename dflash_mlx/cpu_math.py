@@ -1,4 +1,4 @@
-"""Vectorisable exp, SwiGLU and attention for the float32 verify forward on the CPU.
+"""Vectorisable exp, SwiGLU, attention and log-sum-exp for float32 work on the CPU.
 
 MLX's x86 CPU build runs element-wise ops one element at a time, and its `exp`
 (also inside `sigmoid`, `softmax` and the SDPA fallback) calls libm's `fmaf`
@@ -11,10 +11,11 @@ exp fuses into one loop the JIT compiler vectorises: ~3 ns an element, and
 within one unit in the last place of the true value (MLX's own is off by up to
 ~20 on large arguments).
 
-Only arguments ≤ 0 are needed (a softmax after subtracting the row maximum,
-a sigmoid through exp(-|x|)), so there is no overflow to handle; results
+Only arguments ≤ 0 are needed (a softmax or log-sum-exp after subtracting the
+row maximum, a sigmoid through exp(-|x|)), so there is no overflow to handle; results
 below float32's smallest normal number flush to 0. Pure math on arrays: what
-uses it, and when, is `target.py`'s business.
+uses it, and when, is its callers' business (`target.py`'s verify forward,
+`sampling.py`'s normalisations).
 """
 
 from __future__ import annotations
@@ -78,17 +79,29 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _swiglu(gate, up)
 
 
-def _unnormalised_softmax(x: mx.array) -> tuple[mx.array, mx.array]:
-    """(e^(x - max x), its sum) over the last axis."""
-    p, bits = _shifted_exp_parts(x, x.max(axis=-1, keepdims=True))
+def _unnormalised_softmax_from(x: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
+    """(e^(x - top), its sum) over the last axis, for `top` >= every x in its row."""
+    p, bits = _shifted_exp_parts(x, top)
     e = p * bits.view(mx.float32)
     return e, e.sum(axis=-1, keepdims=True)
+
+
+def _unnormalised_softmax(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(e^(x - max x), its sum) over the last axis."""
+    return _unnormalised_softmax_from(x, x.max(axis=-1, keepdims=True))
 
 
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis."""
     e, total = _unnormalised_softmax(x)
     return e / total
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """log(sum(e^x)) over the last axis, kept as an axis of 1 (-inf for a row of -inf)."""
+    top = mx.maximum(x.max(axis=-1, keepdims=True), -mx.finfo(x.dtype).max)
+    _, total = _unnormalised_softmax_from(x, top)
+    return top + mx.log(total)
 
 
 @lru_cache(maxsize=8)

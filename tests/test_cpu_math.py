@@ -111,3 +111,17 @@ def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
     assert verify_classes == {"_RowwiseLinear", "CpuMathMLP", "CpuMathAttention"}
     blocks = len(target.layers)
     assert sum(v.__name__ == "CpuMathAttention" for _, _, v in target._verify_swaps) == blocks
+
+
+def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():
+    mx.random.seed(5)
+    x = mx.random.normal((3, 49152)) * 8
+    x[1, :1000] = -mx.inf
+    x = mx.concatenate([x, mx.full((1, 49152), -mx.inf)])
+    rows = np.array(x[:3], dtype=np.float64)
+    top = rows.max(axis=-1, keepdims=True)
+    exact = top + np.log(np.exp(rows - top).sum(axis=-1, keepdims=True))
+    ours = np.array(cpu_math.logsumexp(x))
+    assert ours.shape == (4, 1)
+    assert np.max(np.abs(ours[:3] - exact) / np.abs(exact)) < 4 * FLOAT32_ULP
+    assert ours[3, 0] == -np.inf
