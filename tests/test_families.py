@@ -190,7 +190,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-@pytest.mark.parametrize("block_size", [4, 8, 16])
+# a short block and the drafters' own; block 8, with every rollback depth, is the
+# noisy-oracle test's
+@pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_equals_mlx_lm(family, tokenizer, name, block_size):
     model, draft, expected = family(name)
