@@ -343,10 +343,10 @@ def _speculate(
                 rows = mx.array(positions) if isinstance(positions, list) else slice(positions)
                 draft.append_context(features[:, rows], draft_cache)
 
-        def launch(last: int, n: int) -> tuple[mx.array, Verdict]:
-            """Queue a cycle's draft and verify forwards; the host goes on meanwhile."""
-            last_id = mx.array([last])
-            context = prompt_cache.tokens + [last] if verifier.processors else None
+        def launch(last_id: mx.array, n: int) -> tuple[mx.array, Verdict]:
+            """Queue a cycle's draft and verify forwards on the last committed token (on the
+            device: it may not have been read yet); the host goes on meanwhile."""
+            context = prompt_cache.tokens + last_id.tolist() if verifier.processors else None
             if n > 1:
                 block = mx.concatenate([last_id, mx.full((n - 1,), cfg.mask_token_id)])
                 drafts, draft_logprobs = draft.propose(
@@ -435,6 +435,10 @@ def _speculate(
         prompt_cache.tokens = list(prompt)
         tic = synced = time.perf_counter()
         generated, accepted, proposed = 0, 0, 0
+        queued = None  # (n, the cycle): launched before the plain step before it was read
+
+        def next_block_size(generated: int) -> int:
+            return min(policy.next_block_size() if policy else block_size, max_tokens - generated)
 
         while True:
             stop = next((i for i, t in enumerate(committed) if t in eos), None)
@@ -444,12 +448,16 @@ def _speculate(
             finish = (
                 "stop" if committed[-1] in eos else "length" if generated >= max_tokens else None
             )
-            if not finish and tree_budget:
+            if finish and queued:  # queued on the token that ended the reply: drop its work
+                target.rollback(cache, queued[0])
+            elif not finish and tree_budget:
                 n = block_size if not policy or policy.draft_next() else 1
                 pending_tree = launch_tree(committed[-1], min(n, max_tokens - generated))
+            elif queued:
+                n, (drafts, verdict) = queued
             elif not finish:
-                n = min(policy.next_block_size() if policy else block_size, max_tokens - generated)
-                drafts, verdict = launch(committed[-1], n)
+                n = next_block_size(generated)
+                drafts, verdict = launch(mx.array(committed[-1:]), n)
             for t in committed:
                 if t not in eos:
                     detokenizer.add_token(t)
@@ -479,6 +487,17 @@ def _speculate(
                 synced = time.perf_counter()
                 continue
 
+            queued = None
+            if n == 1 and generated < max_tokens - 1 and not verifier.processors:
+                # A plain step keeps its input position whatever token it computes: book it
+                # and queue the next cycle on that token (still on the device) before the
+                # host reads it, as mlx-lm's decoding does, so that on a GPU building the next
+                # graph overlaps this step's computation.
+                target.rollback(cache, 0)
+                append_context(1)
+                prompt_cache.tokens.extend(committed[-1:])
+                size = next_block_size(generated + 1)
+                queued = size, launch(verdict.choices[:1].astype(mx.int32), size)
             draft_ids, match_flags = drafts.tolist(), verdict.matches.tolist()
             proposed, accepted = n - 1, 0
             while accepted < proposed and match_flags[accepted]:
@@ -486,9 +505,10 @@ def _speculate(
             if policy:
                 policy.record(n, accepted + 1, time.perf_counter() - synced)
             synced = time.perf_counter()
-            target.rollback(cache, n - accepted - 1)
-            append_context(accepted + 1)
-            prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
+            if not queued:
+                target.rollback(cache, n - accepted - 1)
+                append_context(accepted + 1)
+                prompt_cache.tokens.extend(committed[-1:] + draft_ids[:accepted])
             committed = draft_ids[:accepted] + [verdict.token_after(accepted)]
             committed_logits = verdict.logits[: accepted + 1]
 

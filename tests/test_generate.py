@@ -117,6 +117,45 @@ def test_eos_inside_a_block_stops_there(make_pair, workdir):
     assert responses[-1].proposed == 15 and len(responses[-1].tokens) < 16
 
 
+def test_plain_steps_queue_the_next_one_before_the_token_is_read(make_pair, workdir, monkeypatch):
+    """At block 1 each step is queued on the last one's token before the host reads it, as
+    mlx-lm decodes: a reply ended by EOS costs one forward more than it has tokens after the
+    first, whose position is dropped again, so the caches hold what `tokens` lists and the
+    next turn reuses them losslessly; one cut by max_tokens costs no extra forward."""
+    target, draft_dir = make_pair("llama-tied-gqa")
+    model, tokenizer = dflash_mlx.load(target)
+    draft = dflash_mlx.load_draft(draft_dir)
+    prompt = prompt_of(17, seed=4)
+    free_run = reference_greedy(model, prompt, 80, set())
+    eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
+    stop = free_run.index(eos)
+    eos_dir = copy_dir(target, workdir / "eos-target")
+    set_eos(eos_dir, eos)
+    model, tokenizer = dflash_mlx.load(eos_dir)
+    forwards = []
+    forward = dflash_mlx.TargetAdapter.forward
+    monkeypatch.setattr(
+        dflash_mlx.TargetAdapter, "forward", lambda *a: forwards.append(1) or forward(*a)
+    )
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    tokens, _ = run(
+        model, draft, tokenizer, prompt, block_size=1, max_tokens=80, prompt_cache=cache
+    )
+    assert tokens == free_run[: stop + 1]
+    assert len(forwards) == len(tokens)  # the last one queued on the EOS, then dropped
+    assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
+    assert cache.tokens == prompt + tokens[:-1]
+
+    second = prompt + tokens + prompt_of(5, seed=5)
+    expected = reference_greedy(model, second, 12, {eos})
+    forwards.clear()
+    tokens, _ = run(
+        model, draft, tokenizer, second, block_size=1, max_tokens=12, prompt_cache=cache
+    )
+    assert tokens == expected and len(tokens) == 12
+    assert len(forwards) == 11
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 17, 37])
 def test_max_tokens_is_exact(loaded, max_tokens):
     model, tokenizer, draft = loaded("llama-tied-gqa")
