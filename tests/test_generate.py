@@ -97,17 +97,25 @@ def test_oracle_drafter_is_fully_accepted(loaded, block_size):
     assert len(cycles) == -(-(max_tokens - 1) // block_size)
 
 
-def test_eos_inside_a_block_stops_there(make_pair, workdir):
+@pytest.fixture
+def eos_run(make_pair, workdir):
+    """(target, tokenizer, drafter, prompt, free_run): a copy of the tiny llama whose EOS is
+    a token its greedy run from `prompt` (`free_run`, 80 tokens without EOS) first makes
+    after 20 tokens, so that a reply stops there."""
     target, draft_dir = make_pair("llama-tied-gqa")
-    model, tokenizer = dflash_mlx.load(target)
-    draft = dflash_mlx.load_draft(draft_dir)
+    model = dflash_mlx.load(target)[0]
     prompt = prompt_of(17, seed=4)
     free_run = reference_greedy(model, prompt, 80, set())
     eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
-    stop = free_run.index(eos)
     eos_dir = copy_dir(target, workdir / "eos-target")
     set_eos(eos_dir, eos)
-    model, tokenizer = dflash_mlx.load(eos_dir)
+    return (*dflash_mlx.load(eos_dir), dflash_mlx.load_draft(draft_dir), prompt, free_run)
+
+
+def test_eos_inside_a_block_stops_there(eos_run):
+    model, tokenizer, draft, prompt, free_run = eos_run
+    (eos,) = tokenizer.eos_token_ids
+    stop = free_run.index(eos)
     oracle = OracleDraft(draft, prompt + free_run)
     for drafter in (draft, oracle):
         tokens, responses = run(model, drafter, tokenizer, prompt, block_size=16, max_tokens=80)
@@ -117,21 +125,14 @@ def test_eos_inside_a_block_stops_there(make_pair, workdir):
     assert responses[-1].proposed == 15 and len(responses[-1].tokens) < 16
 
 
-def test_plain_steps_queue_the_next_one_before_the_token_is_read(make_pair, workdir, monkeypatch):
+def test_plain_steps_queue_the_next_one_before_the_token_is_read(eos_run, monkeypatch):
     """At block 1 each step is queued on the last one's token before the host reads it, as
     mlx-lm decodes: a reply ended by EOS costs one forward more than it has tokens after the
     first, whose position is dropped again, so the caches hold what `tokens` lists and the
     next turn reuses them losslessly; one cut by max_tokens costs no extra forward."""
-    target, draft_dir = make_pair("llama-tied-gqa")
-    model, tokenizer = dflash_mlx.load(target)
-    draft = dflash_mlx.load_draft(draft_dir)
-    prompt = prompt_of(17, seed=4)
-    free_run = reference_greedy(model, prompt, 80, set())
-    eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
+    model, tokenizer, draft, prompt, free_run = eos_run
+    (eos,) = tokenizer.eos_token_ids
     stop = free_run.index(eos)
-    eos_dir = copy_dir(target, workdir / "eos-target")
-    set_eos(eos_dir, eos)
-    model, tokenizer = dflash_mlx.load(eos_dir)
     forwards = []
     forward = dflash_mlx.TargetAdapter.forward
     monkeypatch.setattr(
