@@ -99,7 +99,7 @@ def test_oracle_drafter_is_fully_accepted(loaded, block_size):
 
 @pytest.fixture
 def eos_run(make_pair, workdir):
-    """(target, tokenizer, drafter, prompt, free_run): a copy of the tiny llama whose EOS is
+    """(model, tokenizer, drafter, prompt, free_run): a copy of the tiny llama whose EOS is
     a token its greedy run from `prompt` (`free_run`, 80 tokens without EOS) first makes
     after 20 tokens, so that a reply stops there."""
     target, draft_dir = make_pair("llama-tied-gqa")
