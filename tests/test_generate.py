@@ -99,8 +99,8 @@ def test_oracle_drafter_is_fully_accepted(loaded, block_size):
 
 @pytest.fixture
 def eos_run(make_pair, workdir):
-    """(model, tokenizer, drafter, prompt, free_run): a copy of the tiny llama whose EOS is
-    a token its greedy run from `prompt` (`free_run`, 80 tokens without EOS) first makes
+    """(model, tokenizer, drafter, prompt, free_run, eos): a copy of the tiny llama whose EOS
+    is a token its greedy run from `prompt` (`free_run`, 80 tokens without EOS) first makes
     after 20 tokens, so that a reply stops there."""
     target, draft_dir = make_pair("llama-tied-gqa")
     model = dflash_mlx.load(target)[0]
@@ -109,12 +109,11 @@ def eos_run(make_pair, workdir):
     eos = next(t for i, t in enumerate(free_run) if i >= 20 and t not in free_run[:i])
     eos_dir = copy_dir(target, workdir / "eos-target")
     set_eos(eos_dir, eos)
-    return (*dflash_mlx.load(eos_dir), dflash_mlx.load_draft(draft_dir), prompt, free_run)
+    return (*dflash_mlx.load(eos_dir), dflash_mlx.load_draft(draft_dir), prompt, free_run, eos)
 
 
 def test_eos_inside_a_block_stops_there(eos_run):
-    model, tokenizer, draft, prompt, free_run = eos_run
-    (eos,) = tokenizer.eos_token_ids
+    model, tokenizer, draft, prompt, free_run, eos = eos_run
     stop = free_run.index(eos)
     oracle = OracleDraft(draft, prompt + free_run)
     for drafter in (draft, oracle):
@@ -130,8 +129,7 @@ def test_plain_steps_queue_the_next_one_before_the_token_is_read(eos_run, monkey
     mlx-lm decodes: a reply ended by EOS costs one forward more than it has tokens after the
     first, whose position is dropped again, so the caches hold what `tokens` lists and the
     next turn reuses them losslessly; one cut by max_tokens costs no extra forward."""
-    model, tokenizer, draft, prompt, free_run = eos_run
-    (eos,) = tokenizer.eos_token_ids
+    model, tokenizer, draft, prompt, free_run, eos = eos_run
     stop = free_run.index(eos)
     forwards = []
     forward = dflash_mlx.TargetAdapter.forward
