@@ -29,7 +29,18 @@ def test_bench_end_to_end(make_pair, tmp_path):
     prompts = tmp_path / "small.json"
     prompts.write_text(json.dumps(PROMPTS))
     out, png = tmp_path / "x.json", tmp_path / "x.png"
-    args = ["--model", str(target), "--draft", str(draft), "--max-tokens", "24"]
+    # a fixed block: with the default adaptive size (chosen by the clock) a prompt may get
+    # plain steps only, and then no draft positions and no draft time to check
+    args = [
+        "--model",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-tokens",
+        "24",
+        "--block-size",
+        "16",
+    ]
     proc = run_cli(*args, "--prompts", str(prompts), "--out", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())
@@ -45,7 +56,7 @@ def test_bench_end_to_end(make_pair, tmp_path):
             r["dflash"]["decode_tps"] / r["ar"]["decode_tps"]
         )
         rates = r["acceptance"]["per_position"]
-        assert 1 <= len(rates) <= 15 and all(0 <= x <= 1 for x in rates)
+        assert len(rates) == 15 and all(0 <= x <= 1 for x in rates)
         assert 1 <= r["acceptance"]["tau"] <= 16
         split = r["split_ms"]
         assert split["verify"] > 0 and split["draft"] > 0 and split["rollback"] >= 0
@@ -54,8 +65,6 @@ def test_bench_end_to_end(make_pair, tmp_path):
         assert r["dflash"]["generated_tokens"] == r["ar"]["generated_tokens"]
         assert r["identical"] is True and r["divergence"] is None
     assert results["overall"]["identical"] == 3
-    # the adaptive policy (kept for the whole run) need not draft all 15 positions
-    assert 1 <= len(results["overall"]["acceptance"]["per_position"]) <= 15
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overall" in proc.stdout and "verify forward" in proc.stdout
 
