@@ -69,6 +69,24 @@ def test_bench_end_to_end(make_pair, tmp_path):
     assert "overall" in proc.stdout and "verify forward" in proc.stdout
 
 
+def test_bench_with_the_default_adaptive_block_size(make_pair, tmp_path):
+    """The default run: the block size chosen per cycle (by the clock, so which prompts draft
+    varies); the replies stay identical and the report well-formed whatever it chose."""
+    target, draft = make_pair("llama-tied-gqa")
+    prompts = tmp_path / "small.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "x.json"
+    args = ["--model", str(target), "--draft", str(draft), "--max-tokens", "24", "--no-split"]
+    proc = run_cli(*args, "--prompts", str(prompts), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+    assert results["overall"]["identical"] == 3
+    for r in [*results["prompts"], results["overall"]]:
+        rates = r["acceptance"]["per_position"]
+        assert len(rates) <= 15 and all(0 <= x <= 1 for x in rates)
+        assert 1 <= r["acceptance"]["tau"] <= 16
+
+
 def test_bench_rejects_bad_options_cleanly(tmp_path):
     proc = run_cli("--max-tokens", "0", "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 1
