@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 # forward about as dear as a 16-position one); Metal is costed like it until measured.
 FIXED_CYCLE_COSTS = {
     "cpu": {1: 1.0, 2: 1.15, 3: 1.25, 4: 1.35, 8: 1.6, 16: 1.8},
-    "gpu": {1: 1.0, 2: 1.4, 16: 1.6},
+    "gpu": {1: 1.0, 2: 2.4, 16: 2.6},
 }
 
 

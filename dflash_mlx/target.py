@@ -27,7 +27,11 @@ whose `__call__` calls mlx-lm's `swiglu` or `scaled_dot_product_attention`
 `__call__` is their own code reading those two names from a copy of its
 globals that binds `cpu_math`'s: MLX's CPU `exp` is scalar, and over 16
 positions and a long context the SwiGLUs' and softmaxes' exps are a large part
-of the forward ("cpu_math" in benchmarks/README.md).
+of the forward ("cpu_math" in benchmarks/README.md). On MLX's CUDA backend the
+same rebinding gives the attention modules the verify-attention kernel
+(`kernels/cuda.py`): MLX sends 4 or more bf16/fp16 queries to cuDNN, which builds
+a new graph for every new key length, i.e. every cycle (~5 ms of host time per
+cycle on an H100; "Verify forward on an H100" in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import cpu_math
+from . import cpu_math, kernels
+from .kernels import cuda as cuda_kernels
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 
@@ -246,28 +251,49 @@ def _verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.ar
     return cpu_math.attention(queries, keys, values, scale, mask)
 
 
+def _cuda_verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention`, with the CUDA verify kernel for a causal block
+    (MLX's semantics: the last n keys are the block's) and for a tree over a plain KV cache."""
+    tree = getattr(cache, "_dflash_tree", None)
+    usable = (
+        sinks is None
+        and not hasattr(cache, "bits")
+        and cuda_kernels.supports(queries, keys, values)
+    )
+    if usable and tree is None and isinstance(mask, str) and mask == "causal":
+        visible = cuda_kernels.causal(queries.shape[2])
+    elif usable and tree is not None and isinstance(cache, KVCache):
+        visible = tree.visible  # the whole cache is visible to every node, and its ancestors
+    else:
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return cuda_kernels.verify_attention(queries, keys, values, visible, scale)
+
+
 # A module whose `__call__` calls these mlx-lm functions (as globals of its own module)
-# calls the replacements instead during a CPU verify forward.
-_CPU_MATH_REPLACEMENTS = {
-    "swiglu": (swiglu, cpu_math.swiglu),
-    "scaled_dot_product_attention": (scaled_dot_product_attention, _verify_sdpa),
+# calls the replacements instead during a verify forward on that backend.
+_VERIFY_REPLACEMENTS = {
+    "cpu": {
+        "swiglu": (swiglu, cpu_math.swiglu),
+        "scaled_dot_product_attention": (scaled_dot_product_attention, _verify_sdpa),
+    },
+    "cuda": {"scaled_dot_product_attention": (scaled_dot_product_attention, _cuda_verify_sdpa)},
 }
-_CPU_MATH_CLASSES: dict[type, type | None] = {}
+_REBOUND_CLASSES: dict[tuple[type, str], type | None] = {}
 
 
-def _cpu_math_class(cls: type) -> type | None:
-    """A subclass of `cls` whose `__call__` is its own code with `cpu_math`'s SwiGLU and
-    attention bound in place of mlx-lm's, or None when it calls neither.
+def _rebound_class(cls: type, backend: str) -> type | None:
+    """A subclass of `cls` whose `__call__` is its own code with the `backend`'s verify
+    functions bound in place of mlx-lm's, or None when it calls none of them.
 
     The code object and closure are `cls.__call__`'s; only the globals it reads those
-    two names from differ, in a copy: mlx-lm's module and class stay as they are.
+    names from differ, in a copy: mlx-lm's module and class stay as they are.
     """
-    if cls not in _CPU_MATH_CLASSES:
+    if (cls, backend) not in _REBOUND_CLASSES:
         call, verify = cls.__call__, None
         if isinstance(call, FunctionType):
             bound = {
                 name: ours
-                for name, (theirs, ours) in _CPU_MATH_REPLACEMENTS.items()
+                for name, (theirs, ours) in _VERIFY_REPLACEMENTS[backend].items()
                 if name in call.__code__.co_names and call.__globals__.get(name) is theirs
             }
             if bound:
@@ -276,20 +302,35 @@ def _cpu_math_class(cls: type) -> type | None:
                     code, {**call.__globals__, **bound}, call.__name__, defaults, closure
                 )
                 rebound.__kwdefaults__ = call.__kwdefaults__
-                verify = type(f"CpuMath{cls.__name__}", (cls,), {"__call__": rebound})
-        _CPU_MATH_CLASSES[cls] = verify
-    return _CPU_MATH_CLASSES[cls]
+                prefix = "CpuMath" if backend == "cpu" else "CudaVerify"
+                verify = type(f"{prefix}{cls.__name__}", (cls,), {"__call__": rebound})
+        _REBOUND_CLASSES[(cls, backend)] = verify
+    return _REBOUND_CLASSES[(cls, backend)]
 
 
-def _verify_swaps(layers: list[nn.Module | None]) -> list[tuple[nn.Module, type, type]]:
-    """(module, its class, its class during a CPU verify forward) for the blocks' modules
-    that have one: float32 linear layers, and modules calling mlx-lm's SwiGLU or SDPA."""
+def _verify_backend() -> str | None:
+    """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`,
+    rowwise products), "cuda" (the verify-attention kernel; not with
+    DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if cuda_kernels.is_available() and kernels.requested_backend() != "reference":
+        return "cuda"
+    return None
+
+
+def _verify_swaps(
+    layers: list[nn.Module | None], backend: str
+) -> list[tuple[nn.Module, type, type]]:
+    """(module, its class, its class during a verify forward on `backend`) for the blocks'
+    modules that have one: on the CPU float32 linear layers, and on either backend the
+    modules calling the mlx-lm functions it replaces (SwiGLU, SDPA)."""
     swaps = []
     for layer in filter(None, layers):  # None: another pipeline rank's layer
         for m in layer.modules():
-            if type(m) is nn.Linear and m.weight.dtype == mx.float32:
+            if backend == "cpu" and type(m) is nn.Linear and m.weight.dtype == mx.float32:
                 swaps.append((m, nn.Linear, _RowwiseLinear))
-            elif (verify := _cpu_math_class(type(m))) is not None:
+            elif (verify := _rebound_class(type(m), backend)) is not None:
                 swaps.append((m, type(m), verify))
     return swaps
 
@@ -471,20 +512,23 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
-        self._verify_swaps: list[tuple[nn.Module, type, type]] | None = None
+        self._verify_swaps: dict[str, list[tuple[nn.Module, type, type]]] = {}
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
         Over several positions on the CPU the float32 linear layers take the
         product the cheaper way round for a few rows, and SwiGLUs and attention
-        take their exps from `cpu_math` (see the module docstring).
+        take their exps from `cpu_math`; on MLX's CUDA backend attention takes
+        the verify kernel (see the module docstring).
         """
-        if tokens.size == 1 or mx.default_device() != mx.cpu:
+        backend = _verify_backend() if tokens.size > 1 else None
+        if backend is None:
             return self.model(tokens[None], cache=cache)[0]
-        if self._verify_swaps is None:
-            self._verify_swaps = _verify_swaps(self.layers)
-        hooked = [(m, cls, verify) for m, cls, verify in self._verify_swaps if type(m) is cls]
+        if backend not in self._verify_swaps:
+            self._verify_swaps[backend] = _verify_swaps(self.layers, backend)
+        swaps = self._verify_swaps[backend]
+        hooked = [(m, cls, verify) for m, cls, verify in swaps if type(m) is cls]
         with _HOOKING:  # graph building only: the classes are back before anything runs
             for m, _, verify in hooked:
                 m.__class__ = verify

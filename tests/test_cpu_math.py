@@ -9,7 +9,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 
 from dflash_mlx import cpu_math
-from dflash_mlx.target import TargetAdapter, _cpu_math_class
+from dflash_mlx.target import TargetAdapter, _rebound_class
 
 FLOAT32_ULP = 2.0**-23
 
@@ -75,13 +75,13 @@ def test_attention_equals_mlx_fast_sdpa(mask, heads):
 
 
 def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
-    mlp, attention = _cpu_math_class(llama.MLP), _cpu_math_class(llama.Attention)
+    mlp, attention = _rebound_class(llama.MLP, "cpu"), _rebound_class(llama.Attention, "cpu")
     assert issubclass(mlp, llama.MLP) and issubclass(attention, llama.Attention)
     assert mlp.__call__.__globals__["swiglu"] is cpu_math.swiglu
     assert llama.MLP.__call__.__globals__["swiglu"] is swiglu  # mlx-lm's module is untouched
     assert llama.swiglu is swiglu
-    assert _cpu_math_class(nn.Linear) is None  # calls neither
-    assert _cpu_math_class(nn.Module) is None  # no __call__ of its own
+    assert _rebound_class(nn.Linear, "cpu") is None  # calls neither
+    assert _rebound_class(nn.Module, "cpu") is None  # no __call__ of its own
 
     class OwnSwiGLU(nn.Module):  # a global of another name or meaning is left alone
         def __call__(self, x):
@@ -90,7 +90,7 @@ def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
     def swiglu_like(x):
         return x
 
-    assert _cpu_math_class(OwnSwiGLU) is None
+    assert _rebound_class(OwnSwiGLU, "cpu") is None
 
 
 def test_a_verify_mlp_computes_what_mlx_lms_does():
@@ -99,7 +99,7 @@ def test_a_verify_mlp_computes_what_mlx_lms_does():
     mlp = llama.MLP(args)
     x = mx.random.normal((1, 7, 64))
     plain = mlp(x)
-    mlp.__class__ = _cpu_math_class(llama.MLP)
+    mlp.__class__ = _rebound_class(llama.MLP, "cpu")
     assert mx.allclose(mlp(x), plain, atol=1e-5)
 
 
@@ -107,10 +107,12 @@ def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
     model, _, _ = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
     target.forward(mx.array([5, 9, 33]), target.make_cache())
-    verify_classes = {verify.__name__ for _, _, verify in target._verify_swaps}
+    verify_classes = {verify.__name__ for _, _, verify in target._verify_swaps["cpu"]}
     assert verify_classes == {"_RowwiseLinear", "CpuMathMLP", "CpuMathAttention"}
     blocks = len(target.layers)
-    assert sum(v.__name__ == "CpuMathAttention" for _, _, v in target._verify_swaps) == blocks
+    assert (
+        sum(v.__name__ == "CpuMathAttention" for _, _, v in target._verify_swaps["cpu"]) == blocks
+    )
 
 
 def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():

@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 _self_check: dict[str, str | None] = {}
 
 
-def _requested(backend: str) -> str:
+def requested_backend(backend: str = "auto") -> str:
+    """`backend`, or for "auto" what DFLASH_MLX_KERNELS asks for ("reference": no custom
+    kernels anywhere, the drafter's block attention nor the CUDA verify attention)."""
     if backend == "auto":
         backend = os.environ.get(ENV_VAR) or "auto"
     if backend not in BACKENDS:
@@ -46,7 +48,7 @@ def active_backend(backend: str = "auto") -> str:
     "auto" (unless DFLASH_MLX_KERNELS says otherwise) picks Metal when it is
     available and its self-check passed; a forced "metal" raises instead.
     """
-    backend = _requested(backend)
+    backend = requested_backend(backend)
     if backend == "reference":
         return "reference"
     failure = _metal_failure()
@@ -73,7 +75,7 @@ def block_attention(
     multiple of Hkv. Returns (B, Hq, L, D) in the queries' dtype.
     """
     args = (queries, ctx_keys, ctx_values, block_keys, block_values)
-    backend = _requested(backend)
+    backend = requested_backend(backend)
     if backend != "reference" and active_backend(backend) == "metal":
         if metal.supports(*args):
             return metal.metal_attention(*args, scale=scale)
