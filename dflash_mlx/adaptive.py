@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 # sampled runs (no timing). CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS,
 # the shipped drafter (benchmarks/README.md: a block-3 cycle 1.19-1.31 mlx-lm steps,
 # a block-16 one 1.68-1.82, a 16-position forward 1.70 one-position forwards).
-# GPU: Qwen3-4B/8B shapes on an H100 through MLX's CUDA backend (../shared/notes/gpu.md:
-# the loop at block 1 1.43 mlx-lm steps, a 16-position cycle 2.2, a 2-position
-# forward about as dear as a 16-position one); Metal is costed like it until measured.
+# GPU: the Qwen3-8B shape (bf16) on an H100 through MLX's CUDA backend with the verify
+# kernel (benchmarks/README.md, "Verify forward on an H100": the loop at block 1 0.99-1.05
+# mlx-lm steps, a 16-position cycle 2.44-2.84; a 2-position forward about as dear as a
+# 16-position one); Metal is costed like it until measured.
 FIXED_CYCLE_COSTS = {
     "cpu": {1: 1.0, 2: 1.15, 3: 1.25, 4: 1.35, 8: 1.6, 16: 1.8},
     "gpu": {1: 1.0, 2: 2.4, 16: 2.6},
