@@ -41,6 +41,7 @@ def info(_: argparse.Namespace) -> None:
 
     from .kernels import active_backend
     from .loading import default_dtype
+    from .target import VERIFY_PATHS, verify_backend
 
     rows = [
         ("dflash-mlx", __version__),
@@ -57,6 +58,7 @@ def info(_: argparse.Namespace) -> None:
         ),
         ("BLAS", active_blas()),
         ("block-attention kernels", active_backend()),
+        ("verify forward", VERIFY_PATHS[verify_backend()]),
         ("dflash-mlx cache", str(cache_dir())),
         ("hugging face cache", str(HF_HUB_CACHE)),
     ]

@@ -309,7 +309,7 @@ def _rebound_class(cls: type, backend: str) -> type | None:
     return _REBOUND_CLASSES[(cls, backend)]
 
 
-def _verify_backend() -> str | None:
+def verify_backend() -> str | None:
     """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`,
     rowwise products), "cuda" (the verify-attention kernel; not with
     DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
@@ -318,6 +318,13 @@ def _verify_backend() -> str | None:
     if cuda_kernels.is_available() and kernels.requested_backend() != "reference":
         return "cuda"
     return None
+
+
+VERIFY_PATHS = {
+    "cpu": "cpu_math exps, rowwise products",
+    "cuda": "CUDA verify-attention kernel",
+    None: "mlx-lm's forward",
+}
 
 
 def _verify_swaps(
@@ -523,7 +530,7 @@ class TargetAdapter:
         take their exps from `cpu_math`; on MLX's CUDA backend attention takes
         the verify kernel (see the module docstring).
         """
-        backend = _verify_backend() if tokens.size > 1 else None
+        backend = verify_backend() if tokens.size > 1 else None
         if backend is None:
             return self.model(tokens[None], cache=cache)[0]
         if backend not in self._verify_swaps:

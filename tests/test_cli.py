@@ -163,6 +163,8 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     out = capsys.readouterr().out
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
         assert key in out
+    if mx.default_device() == mx.cpu:
+        assert re.search(r"verify forward +cpu_math exps, rowwise products", out)
     device = mx.default_device().type.name
     assert f"{device}: {mx.device_info()['device_name']}" in out
 
@@ -174,6 +176,7 @@ def test_info_names_the_cuda_gpu_and_the_reference_kernels(capsys):
     assert f"gpu: {mx.device_info()['device_name']} (CUDA)" in out
     assert re.search(r"cuda available +True", out)
     assert re.search(r"block-attention kernels +reference", out)
+    assert re.search(r"verify forward +CUDA verify-attention kernel", out)
     assert re.search(r"models load in +the checkpoint's dtype", out)
 
 

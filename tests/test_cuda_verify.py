@@ -47,7 +47,7 @@ def as_cuda(monkeypatch):
         calls.append(np.array(visible))
         return stand_in(queries, keys, values, visible, scale)
 
-    monkeypatch.setattr(target_module, "_verify_backend", lambda: "cuda")
+    monkeypatch.setattr(target_module, "verify_backend", lambda: "cuda")
     monkeypatch.setattr(cuda_kernels, "verify_attention", recording)
     return calls
 
