@@ -91,3 +91,32 @@ def test_script_rejects_a_budget_without_full_cycles_in_one_line():
         "cycle_cost.py: error: --max-tokens (10) must exceed the block size + 2 (18) "
         "to time full cycles"
     )
+
+
+@pytest.mark.parametrize("quantize", [[], ["-q", "4"]], ids=["float32", "4-bit"])
+def test_verify_ops_reports_every_op_at_every_size(quantize, tmp_path):
+    """benchmarks/verify_ops.py, a real run: every op of a layer and the forward's three
+    phases at each size, positive, per call; the CUDA kernel's rows only where it can run."""
+    script = SCRIPT.parent / "verify_ops.py"
+    out = tmp_path / "ops.json"
+    args = ["--shape", "tiny", "--rounds", "1", "--reps", "1", "--positions", "1,3"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, *quantize, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SCRIPT.parent,
+    )
+    assert proc.returncode == 0, proc.stderr
+    timings = json.loads(out.read_text())["us"]
+    ops = {key.rpartition("@")[0] for key in timings}
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    phases = {"forward: build", "forward: hand over", "forward: finish"}
+    assert linears | phases | {"rms_norm", "rope", "cache+sdpa"} <= ops
+    assert ("cache+kernel" in ops) == (
+        getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+    )
+    assert all(f"{op}@{n}" in timings for op in ops for n in (1, 3))
+    assert all(v > 0 for v in timings.values())
+    for op in linears:
+        assert f"{op:>22s}" in proc.stdout
