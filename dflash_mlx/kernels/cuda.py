@@ -21,6 +21,7 @@ from __future__ import annotations
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
 THREADS = 256  # 8 warps per (query, head)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -144,11 +145,16 @@ def verify_attention(
     """Softmax attention of queries (B, Hq, n, D) over keys/values (B, Hkv, S, D), S >= n.
 
     Key j < S - n is visible to every query; key S - n + t to query i iff
-    `visible[i, t]` (a (n, n) bool array). Returns (B, Hq, n, D) in the queries' dtype.
+    `visible[i, t]` (a (n, n) bool array). The feature axis must have unit stride (as in
+    mlx-lm's attention: queries a transposed view, keys and values a slice of the cache's
+    buffer; other strides are read as they are, nothing is copied). Returns (B, Hq, n, D)
+    in the queries' dtype.
     """
     batch, q_heads, n, head_dim = queries.shape
+    if visible.dtype != mx.bool_:
+        visible = visible.astype(mx.bool_)
     (out,) = _kernel()(
-        inputs=[queries, keys, values, visible.astype(mx.bool_), mx.array([scale], mx.float32)],
+        inputs=[queries, keys, values, visible, _scale(scale)],
         template=[("T", queries.dtype), ("D", head_dim), ("THREADS", THREADS)],
         grid=(batch * q_heads * n * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
@@ -159,6 +165,12 @@ def verify_attention(
 
 
 @cache
+def _scale(scale: float) -> mx.array:
+    return mx.array([scale], mx.float32)
+
+
+@cache
 def causal(n: int) -> mx.array:
-    """The chain's visibility among its n positions: each sees itself and those before."""
-    return mx.tril(mx.ones((n, n), dtype=mx.bool_))
+    """The chain's visibility among its n positions: each sees itself and those before.
+    Made from numpy data: a cached lazy graph would be shared by generations in threads."""
+    return mx.array(np.tril(np.ones((n, n), dtype=bool)))
