@@ -79,20 +79,43 @@ def top_candidates(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Each row's k most likely tokens and their log-probabilities, best first.
 
-    One read from the device, then numpy: MLX's CPU argpartition and exp over a
-    49k vocabulary took ~1.2 ms a row. `token_ids[j]` names column j when the
-    logits cover a draft vocabulary only (`RestrictedHead.rows`).
+    On the CPU: one read, then numpy (MLX's CPU argpartition and exp over a 49k
+    vocabulary took ~1.2 ms a row). On a GPU the k best columns and the rows'
+    normalisers are found on the device and only they are read: numpy over a
+    full 151,936-column vocabulary took ~14 ms per 15 rows on this project's
+    CPU, about what a GPU tree cycle spent beyond its forward (benchmarks/README.md,
+    "Verify forward on an H100"). `token_ids[j]` names column j when the logits
+    cover a draft vocabulary only (`RestrictedHead.rows`).
     """
-    rows = np.array(logits.astype(mx.float32), dtype=np.float64)
-    k = min(k, rows.shape[-1])
-    top = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
-    scores = np.take_along_axis(rows, top, axis=-1)
+    k = min(k, logits.shape[-1])
+    if mx.default_device() == mx.cpu:
+        rows = np.array(logits.astype(mx.float32), dtype=np.float64)
+        top = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
+        scores = np.take_along_axis(rows, top, axis=-1)
+        peak = rows.max(axis=-1, keepdims=True)
+        normalizer = peak + np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
+    else:
+        top, scores, normalizer = device_top_k(logits, k)
     order = np.argsort(-scores, axis=-1, kind="stable")
     top, scores = (np.take_along_axis(a, order, axis=-1) for a in (top, scores))
-    peak = rows.max(axis=-1, keepdims=True)
-    logprobs = scores - peak - np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
+    logprobs = scores - normalizer
     tokens = top if token_ids is None else np.asarray(token_ids)[top]
     return tokens.tolist(), logprobs.tolist()
+
+
+def device_top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(column indices (rows, k) of each row's k largest logits, unordered; their logits;
+    each row's log-normaliser (rows, 1)), computed where the logits are; one small read."""
+    rows = logits.astype(mx.float32)
+    top = mx.argpartition(-rows, k - 1, axis=-1)[:, :k]
+    scores = mx.take_along_axis(rows, top, axis=-1)
+    normalizer = mx.logsumexp(rows, axis=-1, keepdims=True)
+    mx.eval(top, scores, normalizer)
+    return (
+        np.array(top),
+        np.array(scores, dtype=np.float64),
+        np.array(normalizer, dtype=np.float64),
+    )
 
 
 def ranked_edges(

@@ -73,7 +73,12 @@ def prefixes(tree: Tree) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("budget", [1, 2, 5, 17, 40])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tree_is_the_budget_best_prefixes(budget, seed):
+@pytest.mark.parametrize("ranked_on", ["host", "device"])
+def test_tree_is_the_budget_best_prefixes(budget, seed, ranked_on, monkeypatch):
+    """Either way of ranking the drafter's candidates (numpy on the CPU; on a GPU, where the
+    logits are: forced here by making the default device look like one) gives the same tree."""
+    if ranked_on == "device":
+        monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(4, 5)) * 2.0
     if seed == 2:  # tokens outside a draft vocabulary never enter the tree
