@@ -60,7 +60,8 @@ def test_script_reports_every_measurement(variant, make_pair, tmp_path):
         assert tree["accepted_per_cycle"] >= 0
         for t in (tree["forward"], tree["cycle"]):
             assert t["ms"] > 0 and t["steps"] == pytest.approx(t["ms"] / step)
-    assert cycle["verify"]["ms"] == results["forward"][str(block)]["full"]["ms"]
+    parts = cycle["draft"]["ms"] + cycle["verify"]["ms"] + cycle["host"]["ms"]
+    assert parts == pytest.approx(cycle["cycle"]["ms"])  # the split adds up to the cycle
     assert set(results["forward"]) == ({"1", "2", "4"} if block == 4 else {"1", "16"})
     for f in results["forward"].values():
         assert f["full"]["ms"] > 0 and f["vs_one_position"] > 0
@@ -120,3 +121,16 @@ def test_verify_ops_reports_every_op_at_every_size(quantize, tmp_path):
     assert all(v > 0 for v in timings.values())
     for op in linears:
         assert f"{op:>22s}" in proc.stdout
+
+
+def test_the_split_verify_meets_one_more_cached_position_each_time():
+    """As real cycles do; in a cache of its own, so the forward table's shapes stay fixed."""
+    args = cycle_cost.parse_args(
+        ["--shape", "tiny", "--block-size", "4", "--prompt-tokens", "8", "--positions", "1"]
+    )
+    model, tokenizer = cycle_cost.load_target(args)
+    bench = cycle_cost.CycleCost(model, tokenizer, cycle_cost.make_draft(args, model), args)
+    for grown in range(1, 4):
+        assert bench.verify_at_a_new_length() > 0
+        assert bench.growing_cache[0].offset == 8 + grown
+    assert bench.cache[0].offset == 8
