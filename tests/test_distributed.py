@@ -315,7 +315,11 @@ def test_a_killed_or_hung_rank_ends_the_others_with_an_error(make_pair, tmp_path
         waited = time.monotonic() - hit
         err = procs[0].stderr.read()
     assert procs[0].returncode == 1, err
-    assert err.strip().splitlines()[-1].startswith(f"dflash-mlx generate: error: rank 0: {error}")
+    last = err.strip().splitlines()[-1]
+    # A killed peer is noticed by the ring, or by the watchdog when rank 0 meets no collective
+    # first (a loaded machine); either way rank 0 ends with an error naming the peer.
+    allowed = (error,) if how == signal.SIGSTOP else (error, HUNG)
+    assert any(last.startswith(f"dflash-mlx generate: error: rank 0: {e}") for e in allowed), last
     if how == signal.SIGSTOP:
         assert waited >= 10  # the watchdog's timeout, not a lost connection
 
