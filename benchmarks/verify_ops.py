@@ -73,7 +73,6 @@ class Ops:
         for c in self.caches:
             c.update_and_fetch(keys, keys)
         mx.eval([c.keys for c in self.caches])
-        self.checked: dict[int, float] = {}
 
     def inputs(self, n: int, width: int) -> list[mx.array]:
         xs = [mx.random.normal((1, n, width)).astype(self.dtype) for _ in self.layers]

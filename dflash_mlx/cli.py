@@ -16,11 +16,7 @@ from . import __version__, bench, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .distributed import is_backend_error, refuse_distributed, world_group
 from .gguf import cache_dir
-
-
-def cuda_available() -> bool:
-    cuda = getattr(mx, "cuda", None)  # MLX builds before the CUDA backend have no mx.cuda
-    return cuda is not None and cuda.is_available()
+from .kernels.cuda import cuda_available
 
 
 def device_description() -> str:

@@ -95,7 +95,7 @@ def top_candidates(
         peak = rows.max(axis=-1, keepdims=True)
         normalizer = peak + np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
     else:
-        top, scores, normalizer = device_top_k(logits, k)
+        top, scores, normalizer = _device_top_k(logits, k)
     order = np.argsort(-scores, axis=-1, kind="stable")
     top, scores = (np.take_along_axis(a, order, axis=-1) for a in (top, scores))
     logprobs = scores - normalizer
@@ -103,7 +103,7 @@ def top_candidates(
     return tokens.tolist(), logprobs.tolist()
 
 
-def device_top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _device_top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(column indices (rows, k) of each row's k largest logits, unordered; their logits;
     each row's log-normaliser (rows, 1)), computed where the logits are; one small read."""
     rows = logits.astype(mx.float32)

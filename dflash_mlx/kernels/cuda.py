@@ -118,10 +118,15 @@ def _kernel():
     )
 
 
+def cuda_available() -> bool:
+    """Whether this MLX has its CUDA backend and a GPU for it."""
+    cuda = getattr(mx, "cuda", None)  # MLX builds before the CUDA backend have none
+    return cuda is not None and cuda.is_available()
+
+
 def is_available() -> bool:
     """Whether MLX runs on its CUDA backend here (the kernel needs it)."""
-    cuda = getattr(mx, "cuda", None)  # MLX builds before the CUDA backend have none
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return mx.default_device() == mx.gpu and cuda_available()
 
 
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
