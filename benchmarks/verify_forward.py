@@ -3,11 +3,11 @@
     python benchmarks/verify_forward.py                      # SmolLM2-135M fp32, 200-token context
     python benchmarks/verify_forward.py --rounds 15 --sizes 1,2,3,4,8,16
 
-`TargetAdapter.forward` (what the loop verifies with) computes the float32 linear
-layers of the blocks as `(W @ x.T).T` when there are several positions, and takes
-the exps of the SwiGLUs and attention softmaxes from `cpu_math`; "linear only" is
-the same forward with the linear layers swapped alone (the verify forward before
-`cpu_math`); `model(...)` is mlx-lm's own forward. Each round times every size with both,
+`TargetAdapter.forward` (what the loop verifies with) takes the exps of the SwiGLUs
+and attention softmaxes from `cpu_math` when there are several positions;
+`model(...)` is mlx-lm's own forward. The matmuls of both go through the BLAS the
+process bound (printed first): run it again with DFLASH_MLX_NO_FEW_ROWS=1 for
+OpenBLAS without the few-row kernel. Each round times every size with both,
 interleaved, after the context was prefilled (the cache is trimmed back after
 each forward), so a burst of load from other jobs hits both alike. Reports the
 median and the minimum over rounds (the minimum is the least disturbed by other
@@ -27,9 +27,8 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 
 import mlx.core as mx
 
-from dflash_mlx import TargetAdapter, load
+from dflash_mlx import TargetAdapter, active_blas, load
 from dflash_mlx.gguf import smollm2_model_dir
-from dflash_mlx.target import _RowwiseLinear, _verify_swaps
 
 
 def main() -> None:
@@ -41,13 +40,11 @@ def main() -> None:
     args = parser.parse_args()
 
     model, _ = load(args.model or smollm2_model_dir())
-    target, linear_only = TargetAdapter(model), TargetAdapter(model)
-    linear_only._verify_swaps = [s for s in _verify_swaps(target.layers) if s[2] is _RowwiseLinear]
+    target = TargetAdapter(model)
     cache = target.make_cache()
     mx.eval(model(mx.arange(100, 100 + args.context)[None], cache=cache))
     variants = {
         "mlx-lm forward": lambda tokens: model(tokens[None], cache=cache)[0],
-        "linear only": lambda tokens: linear_only.forward(tokens, cache),
         "verify forward": lambda tokens: target.forward(tokens, cache),
     }
     sizes = [int(n) for n in args.sizes.split(",")]
@@ -61,6 +58,7 @@ def main() -> None:
                 times[name, n].append(time.perf_counter() - tic)
                 for c in cache:
                     c.trim(n)
+    print(f"BLAS: {active_blas()}")
     print(f"context {args.context}, {args.rounds} rounds; ms (x the 1-position forward)")
     print(f"{'':24s}" + "".join(f"{n:>14d}" for n in sizes))
     for stat in (statistics.median, min):

@@ -16,16 +16,12 @@ the capture's (mlx-lm's own decoding of the same model) are not recorded.
 A tree forward (`tree_attention`) swaps the classes of the caches and RoPE
 modules the same way, for that one forward.
 
-The verify forward (`TargetAdapter.forward` over several positions, on the
-CPU) swaps the float32 `nn.Linear` layers of the transformer blocks, while its
-graph is built, to a class that computes `x @ W.T` as `(W @ x.T).T`, and back
-right after: OpenBLAS's sgemm over 2–8 rows takes 1.5–2× its one-row time here,
-the transposed product 1.0–1.3× (benchmarks/README.md, "Verify forward"). The
-LM head keeps mlx-lm's product: over 16 rows that one is the faster. Modules
-whose `__call__` calls mlx-lm's `swiglu` or `scaled_dot_product_attention`
-(MLPs, MoE activations, attention) get, the same way, a subclass whose
-`__call__` is their own code reading those two names from a copy of its
-globals that binds `cpu_math`'s: MLX's CPU `exp` is scalar, and over 16
+In the verify forward (`TargetAdapter.forward` over several positions, on the
+CPU) the modules whose `__call__` calls mlx-lm's `swiglu` or
+`scaled_dot_product_attention` (MLPs, MoE activations, attention) get, while its
+graph is built, a subclass whose `__call__` is their own code reading those two
+names from a copy of its globals that binds `cpu_math`'s, and their class back
+right after: MLX's CPU `exp` is scalar, and over 16
 positions and a long context the SwiGLUs' and softmaxes' exps are a large part
 of the forward ("cpu_math" in benchmarks/README.md). On MLX's CUDA backend the
 same rebinding gives the attention modules the verify-attention kernel
@@ -233,18 +229,6 @@ def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_position
     cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
-class _RowwiseLinear(nn.Linear):
-    """`x @ W.T (+ b)` as `(W @ x.T).T`: cheaper in OpenBLAS for a few rows."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        rows = x.reshape(-1, x.shape[-1]).T
-        if "bias" in self:
-            out = mx.addmm(self.bias[:, None], self.weight, rows)
-        else:
-            out = self.weight @ rows
-        return out.T.reshape(*x.shape[:-1], -1)
-
-
 def _verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` with `cpu_math`'s softmax where it applies."""
     if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
@@ -310,8 +294,8 @@ def _rebound_class(cls: type, backend: str) -> type | None:
 
 
 def verify_backend() -> str | None:
-    """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`,
-    rowwise products), "cuda" (the verify-attention kernel; not with
+    """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`'s
+    exps), "cuda" (the verify-attention kernel; not with
     DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
     if mx.default_device() == mx.cpu:
         return "cpu"
@@ -321,7 +305,7 @@ def verify_backend() -> str | None:
 
 
 VERIFY_PATHS = {
-    "cpu": "cpu_math exps, rowwise products",
+    "cpu": "cpu_math exps",
     "cuda": "CUDA verify-attention kernel",
     None: "mlx-lm's forward",
 }
@@ -331,14 +315,11 @@ def _verify_swaps(
     layers: list[nn.Module | None], backend: str
 ) -> list[tuple[nn.Module, type, type]]:
     """(module, its class, its class during a verify forward on `backend`) for the blocks'
-    modules that have one: on the CPU float32 linear layers, and on either backend the
-    modules calling the mlx-lm functions it replaces (SwiGLU, SDPA)."""
+    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA)."""
     swaps = []
     for layer in filter(None, layers):  # None: another pipeline rank's layer
         for m in layer.modules():
-            if backend == "cpu" and type(m) is nn.Linear and m.weight.dtype == mx.float32:
-                swaps.append((m, nn.Linear, _RowwiseLinear))
-            elif (verify := _rebound_class(type(m), backend)) is not None:
+            if (verify := _rebound_class(type(m), backend)) is not None:
                 swaps.append((m, type(m), verify))
     return swaps
 
@@ -525,9 +506,8 @@ class TargetAdapter:
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
-        Over several positions on the CPU the float32 linear layers take the
-        product the cheaper way round for a few rows, and SwiGLUs and attention
-        take their exps from `cpu_math`; on MLX's CUDA backend attention takes
+        Over several positions on the CPU SwiGLUs and attention take their exps
+        from `cpu_math`; on MLX's CUDA backend attention takes
         the verify kernel (see the module docstring).
         """
         backend = verify_backend() if tokens.size > 1 else None

@@ -17,7 +17,7 @@ from mlx_lm.utils import save_model
 import dflash_mlx
 from dflash_mlx import blas, stream_generate
 from dflash_mlx.loading import default_dtype, dtype_for_device
-from dflash_mlx.target import TargetAdapter, _RowwiseLinear
+from dflash_mlx.target import TargetAdapter
 
 
 def test_nested_rope_theta_is_honoured(workdir, make_pair):
@@ -146,18 +146,6 @@ def test_mlx_lm_decoding_the_same_model_beside_a_capture_is_not_recorded(loaded)
         assert captured[1] is recorded
         model(mx.array([[8]]), cache=ours)
         assert captured[1].shape[1] == 1
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_verify_linear_layers_compute_the_same_products(bias):
-    mx.random.seed(3)
-    layer = nn.Linear(576, 1536, bias=bias)
-    for rows in (1, 3, 16):
-        x = mx.random.normal((1, rows, 576))
-        plain = layer(x)
-        layer.__class__ = _RowwiseLinear
-        assert mx.allclose(layer(x), plain, atol=1e-5)
-        layer.__class__ = nn.Linear
 
 
 def test_the_verify_forward_leaves_the_model_as_it_was(loaded):

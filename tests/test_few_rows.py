@@ -1,0 +1,101 @@
+"""The few-row sgemm kernel bound in front of OpenBLAS (`few_rows_sgemm.c`, `blas.py`)."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dflash_mlx import blas
+
+import mlx.core as mx  # noqa: I001  (after dflash_mlx: the BLAS is bound on its import)
+
+OPENBLAS = any(os.path.exists(p) for p in blas.CANDIDATES)
+BUILDABLE = sys.platform.startswith("linux") and OPENBLAS and shutil.which("cc") is not None
+needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="needs Linux, OpenBLAS and a C compiler")
+
+
+def rel_error(got: mx.array, want: np.ndarray) -> float:
+    return float(np.abs(np.array(got, dtype=np.float64) - want).max() / np.abs(want).max())
+
+
+@needs_kernel
+def test_the_kernel_is_what_mlx_calls():
+    """`cblas_sgemm` in the global scope (where MLX's library finds it) is the kernel's."""
+    assert blas._kernel is not None, blas._kernel_reason
+    kernel = ctypes.CDLL(blas._kernel)
+    address = ctypes.cast(kernel.cblas_sgemm, ctypes.c_void_p).value
+    assert ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value == address
+    assert "few-row kernel in front" in blas.active_blas()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 17])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (37, 100), (300, 7)])
+def test_products_with_few_rows_match_float64(rows, shape):
+    """Both ways round (few rows of x against W's rows, and W against few rows), odd K and N
+    (lane and tile remainders), 16 vs 17 rows (the kernel's limit): float64's result."""
+    rng = np.random.default_rng(rows * 1000 + shape[1])
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert rel_error(mx.array(x) @ mx.array(w).T, want) < 1e-5
+    assert rel_error(mx.array(w) @ mx.array(x).T, want.T) < 1e-5
+
+
+def test_scaled_accumulating_batched_and_strided_products():
+    """addmm's alpha and beta (C is read only when beta is not 0), a batch of products
+    (attention's scores: few queries against many keys per head), a sliced operand."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 200)).astype(np.float32)
+    b = rng.standard_normal((500, 200)).astype(np.float32)
+    c = rng.standard_normal((3, 500)).astype(np.float32)
+    want = 0.5 * (a.astype(np.float64) @ b.T) + 2.0 * c
+    got = mx.addmm(mx.array(c), mx.array(a), mx.array(b).T, alpha=0.5, beta=2.0)
+    assert rel_error(got, want) < 1e-5
+    q = rng.standard_normal((2, 9, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 9, 260, 64)).astype(np.float32)
+    want = q.astype(np.float64) @ k.swapaxes(-1, -2)
+    assert rel_error(mx.array(q) @ mx.array(k).swapaxes(-1, -2), want) < 1e-5
+    wide = rng.standard_normal((700, 300)).astype(np.float32)
+    got = mx.array(a) @ mx.array(wide)[:, 50:250].T
+    assert rel_error(got, a.astype(np.float64) @ wide[:, 50:250].T) < 1e-5
+
+
+def _in_process(code: str, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+PRODUCT = """
+import dflash_mlx, mlx.core as mx
+print(dflash_mlx.active_blas())
+x, w = mx.arange(6.0).reshape(2, 3), mx.arange(12.0).reshape(4, 3)
+print((x @ w.T).tolist())
+"""
+
+
+@needs_kernel
+def test_disabled_or_unbuildable_kernel_leaves_openblas_alone(tmp_path):
+    """DFLASH_MLX_NO_FEW_ROWS=1, or a compiler that fails (a fresh cache, so nothing cached
+    is loaded): OpenBLAS is bound without the kernel, says why, and products are the same."""
+    want = "[[5.0, 14.0, 23.0, 32.0], [14.0, 50.0, 86.0, 122.0]]"
+    out = _in_process(PRODUCT, DFLASH_MLX_NO_FEW_ROWS="1").splitlines()
+    assert out[0].startswith("OpenBLAS") and "disabled by DFLASH_MLX_NO_FEW_ROWS" in out[0]
+    assert out[1] == want
+    out = _in_process(PRODUCT, CC="false", XDG_CACHE_HOME=str(tmp_path)).splitlines()
+    assert out[0].startswith("OpenBLAS") and "few-row kernel not built: false failed" in out[0]
+    assert out[1] == want
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+    out = _in_process(PRODUCT, XDG_CACHE_HOME=str(tmp_path)).splitlines()
+    assert "few-row kernel in front" in out[0] and out[1] == want
+    assert len(list(tmp_path.rglob("few_rows_sgemm-*.so"))) == 1
