@@ -98,8 +98,9 @@ def _built_kernel() -> Path:
     if os.path.exists("/proc/cpuinfo"):  # a shared cache may serve several CPUs
         cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
     key = hashlib.sha256(
-        "\0".join([KERNEL_SOURCE.read_text(), compiler, *KERNEL_FLAGS, platform.machine(), cpu])
-        .encode()
+        "\0".join(
+            [KERNEL_SOURCE.read_text(), compiler, *KERNEL_FLAGS, platform.machine(), cpu]
+        ).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_mlx"
     path = cache / f"few_rows_sgemm-{key}.so"

@@ -6,12 +6,11 @@ import shutil
 import subprocess
 import sys
 
+import mlx.core as mx  # conftest imported dflash_mlx first: the BLAS is bound
 import numpy as np
 import pytest
 
 from dflash_mlx import blas
-
-import mlx.core as mx  # noqa: I001  (after dflash_mlx: the BLAS is bound on its import)
 
 OPENBLAS = any(os.path.exists(p) for p in blas.CANDIDATES)
 BUILDABLE = sys.platform.startswith("linux") and OPENBLAS and shutil.which("cc") is not None
