@@ -203,16 +203,23 @@ def test_a_sampling_policy_ignores_the_clock():
         chosen.append(sizes)
     assert chosen[0] == chosen[1]
     assert {2, 3, 4} & set(chosen[0]) and max(chosen[0]) < 16  # a weak drafter: short blocks
-    assert policy.cost(3) == pytest.approx(costs[3]) and policy.cost(6) == pytest.approx(1.475)
+    assert policy.cost(3) == pytest.approx(costs[3]) and policy.cost(6) == pytest.approx(
+        (costs[4] + costs[8]) / 2
+    )
 
 
 @pytest.mark.parametrize("backend", sorted(FIXED_CYCLE_COSTS))
-@pytest.mark.parametrize("rates, settles_on", [(STRONG, 16), (NEVER, 1)], ids=["strong", "never"])
-def test_fixed_costs_settle_on_the_full_block_or_plain_steps(backend, rates, settles_on):
+@pytest.mark.parametrize(
+    "rates, settles_on", [(STRONG, (12, 16)), (NEVER, (1, 1))], ids=["strong", "never"]
+)
+def test_fixed_costs_settle_on_long_blocks_or_plain_steps(backend, rates, settles_on):
+    """A strong drafter gets long blocks (on the CPU, where a cycle's cost grows about
+    linearly past 8 positions, 12 pays as well as 16), a useless one plain steps."""
     costs = FIXED_CYCLE_COSTS[backend]
     policy = AdaptiveBlock(16, fixed_costs=costs)
     _, sizes = simulate(policy, rates, lambda n: interpolated_cost(costs, n), cycles=200)
-    assert max(set(sizes[-50:]), key=sizes[-50:].count) == settles_on
+    low, high = settles_on
+    assert low <= max(set(sizes[-50:]), key=sizes[-50:].count) <= high
 
 
 def test_seeded_sampling_adapts_by_default_and_stays_reproducible(loaded):
