@@ -2,9 +2,11 @@
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx  # conftest imported dflash_mlx first: the BLAS is bound
 import numpy as np
@@ -98,3 +100,47 @@ def test_disabled_or_unbuildable_kernel_leaves_openblas_alone(tmp_path):
     out = _in_process(PRODUCT, XDG_CACHE_HOME=str(tmp_path)).splitlines()
     assert "few-row kernel in front" in out[0] and out[1] == want
     assert len(list(tmp_path.rglob("few_rows_sgemm-*.so"))) == 1
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCHMARKS,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@needs_kernel
+def test_blas_matmul_benchmark_times_both_bindings():
+    out = _script("blas_matmul.py", "--rounds", "1", "--rows", "1,2", "--no-bundled")
+    rows = {line[:26].strip(): line for line in out.splitlines()[1:]}
+    assert set(rows) == {"OpenBLAS alone", "OpenBLAS + few-row kernel"}
+    for line in rows.values():  # GF/s, then 2 sizes x 3 weight shapes in ms
+        numbers = [float(v) for v in line[26:].replace("GF/s", "").replace("|", " ").split()]
+        assert len(numbers) == 7 and all(v > 0 for v in numbers)
+
+
+def test_verify_forward_benchmark_runs_on_a_model_dir(make_pair):
+    target, _ = make_pair("llama-tied-gqa")
+    out = _script(
+        "verify_forward.py",
+        "--model",
+        str(target),
+        "--rounds",
+        "1",
+        "--sizes",
+        "1,3",
+        "--context",
+        "20",
+    )
+    assert out.startswith("BLAS: ")
+    for variant in ("mlx-lm forward", "verify forward"):
+        for stat in ("median", "min"):
+            assert re.search(rf"{variant}, {stat} +[\d.]+ \(1\.00\) +[\d.]+ \([\d.]+\)", out)
