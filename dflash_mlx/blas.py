@@ -7,10 +7,10 @@ module must therefore be imported before `mlx.core`; `dflash_mlx/__init__.py`
 does so first thing. Set DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
 
 In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
-system C compiler (cached under ~/.cache/dflash_mlx): products of up to 16 rows
-against a weight matrix, a decoding step's and a verify forward's, are 2-3x
-cheaper there than through OpenBLAS, which copies the whole weight matrix on
-every call. Everything else goes on to OpenBLAS. Set DFLASH_MLX_NO_FEW_ROWS=1
+system C compiler, with OpenMP where it has it (cached under ~/.cache/dflash_mlx):
+products of up to 16 rows against a weight matrix, a decoding step's and a verify
+forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
+weight matrix on every call. Everything else goes on to OpenBLAS. Set DFLASH_MLX_NO_FEW_ROWS=1
 to bind OpenBLAS alone.
 """
 
@@ -36,7 +36,7 @@ CANDIDATES = (
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("few_rows_sgemm.c")
-KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+KERNEL_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 
 _active: str | None = None
 _reason = "not attempted"
@@ -80,55 +80,67 @@ def _kernel_library() -> ctypes.CDLL | None:
         _kernel_reason = "disabled by DFLASH_MLX_NO_FEW_ROWS"
         return None
     try:
-        path = _built_kernel()
+        path, threaded = _built_kernel()
         library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _kernel_reason = f"not built: {exc}"
         return None
-    _kernel, _kernel_reason = str(path), "loaded"
+    _kernel = str(path)
+    _kernel_reason = "in front" if threaded else "in front, on one thread (no OpenMP)"
     return library
 
 
-def _built_kernel() -> Path:
-    """The compiled kernel for this source, compiler and CPU (-march=native), built once."""
+def _built_kernel() -> tuple[Path, bool]:
+    """(the compiled kernel for this source, compiler and CPU, whether it is threaded),
+    built once: with OpenMP, or on one thread where the compiler has none."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc) found")
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):  # a shared cache may serve several CPUs
         cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256(
-        "\0".join(
-            [KERNEL_SOURCE.read_text(), compiler, *KERNEL_FLAGS, platform.machine(), cpu]
-        ).encode()
-    ).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_mlx"
-    path = cache / f"few_rows_sgemm-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
+    builds = []
+    for flags in ([*KERNEL_FLAGS, "-fopenmp"], list(KERNEL_FLAGS)):
+        key = "\0".join([KERNEL_SOURCE.read_text(), compiler, *flags, platform.machine(), cpu])
+        name = f"few_rows_sgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        builds.append((flags, cache / name))
+    for flags, path in builds:
+        if path.exists():
+            return path, "-fopenmp" in flags
+    errors = []
+    for flags, path in builds:
         try:
-            done = subprocess.run(
-                [compiler, *KERNEL_FLAGS, "-o", tmp, str(KERNEL_SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
-            os.replace(tmp, path)  # atomic: a concurrent import sees all of it or nothing
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return path
+            _compile(compiler, flags, path)
+            return path, "-fopenmp" in flags
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    raise RuntimeError(errors[0])
+
+
+def _compile(compiler: str, flags: list[str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(KERNEL_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
+        os.replace(tmp, path)  # atomic: a concurrent import sees all of it or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def active_blas() -> str:
     """Which BLAS MLX's CPU matmuls use, in words (for `dflash-mlx info`)."""
     if _active:
-        few_rows = "few-row kernel in front" if _kernel else f"few-row kernel {_kernel_reason}"
-        return f"OpenBLAS ({_active}); {few_rows}"
+        return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return f"MLX bundled reference BLAS ({_reason})"
