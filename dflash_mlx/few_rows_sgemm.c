@@ -12,6 +12,9 @@
  * agree to ~1e-7 relative).
  */
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MAX_ROWS 16
@@ -82,7 +85,11 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
 static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
                  float alpha, float beta, float *out, long si, long sj) {
   int tiles = (B + 3) / 4;
-#pragma omp parallel for schedule(static) if ((long)B * K > 65536)
+  long threads = (long)B * K / 65536; /* a thread per 256 KB of `big`, up to OpenMP's count */
+#ifdef _OPENMP
+  if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int j = 4 * t, J = B - j < 4 ? B - j : 4;
     for (int i = 0; i < S; i += 4) {
