@@ -25,10 +25,15 @@ static sgemm_fn fallback;
 
 void dflash_set_fallback(sgemm_fn f) { fallback = f; }
 
+/* A tile is up to 4 rows of the small operand by TILE rows of the large one: its 4 x TILE
+ * accumulators and 4 + TILE loaded vectors fit the 32 vector registers of AVX-512, or the 16 of
+ * AVX2 / NEON. One row (a decoding step) takes 4 rows of the large one at a time everywhere. */
 #ifdef __AVX512F__
 #define LANES 16
+#define TILE 4
 #else
 #define LANES 8
+#define TILE 2
 #endif
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef float vec4 __attribute__((vector_size(16)));
@@ -60,7 +65,7 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
   for (; k + LANES <= K; k += LANES) {
     vec b[4], a[4];
     if (next)
-      for (int j = 0; j < 4; j++) __builtin_prefetch(next + (long)j * ldb + k, 0, 0);
+      for (int j = 0; j < J; j++) __builtin_prefetch(next + (long)j * ldb + k, 0, 0);
     for (int j = 0; j < J; j++) b[j] = load(big + (long)j * ldb + k);
     for (int i = 0; i < R; i++) a[i] = load(small + (long)i * lds + k);
     if (R > 1) /* keep every loaded vector in a register: folded into the multiply-adds as
@@ -84,27 +89,29 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
 /* Every row of `small` (S <= MAX_ROWS rows) dotted with every row of `big` (B rows), K long. */
 static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
                  float alpha, float beta, float *out, long si, long sj) {
-  int tiles = (B + 3) / 4;
+  int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width;
   long threads = (long)B * K / 65536; /* a thread per 256 KB of `big`, up to OpenMP's count */
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
-    int j = 4 * t, J = B - j < 4 ? B - j : 4;
+    int j = width * t, J = B - j < width ? B - j : width;
     for (int i = 0; i < S; i += 4) {
       int R = S - i < 4 ? S - i : 4;
       const float *a = small + (long)i * lds, *b = big + (long)j * ldb;
-      const float *next = i == 0 && t + 1 < tiles ? b + 4L * ldb : 0;
+      const float *next = i == 0 && t + 1 < tiles ? b + (long)width * ldb : 0;
       float *o = out + i * si + j * sj;
-      if (J == 4 && R == 4)
-        tile(4, 4, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
-      else if (J == 4 && R == 3)
-        tile(3, 4, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
-      else if (J == 4 && R == 2)
-        tile(2, 4, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
-      else if (J == 4 && R == 1)
+      if (J == TILE && R == 4)
+        tile(4, TILE, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
+      else if (J == TILE && R == 3)
+        tile(3, TILE, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
+      else if (J == TILE && R == 2)
+        tile(2, TILE, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
+      else if (J == 4 && R == 1) /* one row: a decoding step */
         tile(1, 4, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
+      else if (J == TILE && R == 1) /* the last of 5, 9 or 13 rows where TILE is 2 */
+        tile(1, TILE, K, a, lds, b, ldb, alpha, beta, o, si, sj, next);
       else
         tile(R, J, K, a, lds, b, ldb, alpha, beta, o, si, sj, 0);
     }
