@@ -7,7 +7,7 @@ module must therefore be imported before `mlx.core`; `dflash_mlx/__init__.py`
 does so first thing. Set DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
 
 In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
-system C compiler, with OpenMP where it has it (cached under ~/.cache/dflash_mlx):
+system C compiler, with OpenMP where it has it (cached in `paths.cache_dir()`/kernels):
 products of up to 16 rows against a weight matrix, a decoding step's and a verify
 forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
 weight matrix on every call. Everything else goes on to OpenBLAS. Set DFLASH_MLX_NO_FEW_ROWS=1
@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .paths import cache_dir
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -99,7 +101,7 @@ def _built_kernel() -> tuple[Path, bool]:
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):  # a shared cache may serve several CPUs
         cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_mlx"
+    cache = cache_dir() / "kernels"
     builds = []
     for flags in ([*KERNEL_FLAGS, "-fopenmp"], list(KERNEL_FLAGS)):
         key = "\0".join([KERNEL_SOURCE.read_text(), compiler, *flags, platform.machine(), cpu])

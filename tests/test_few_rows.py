@@ -93,11 +93,11 @@ def test_disabled_or_unbuildable_kernel_leaves_openblas_alone(tmp_path):
     out = _in_process(PRODUCT, DFLASH_MLX_NO_FEW_ROWS="1").splitlines()
     assert out[0].startswith("OpenBLAS") and "disabled by DFLASH_MLX_NO_FEW_ROWS" in out[0]
     assert out[1] == want
-    out = _in_process(PRODUCT, CC="false", XDG_CACHE_HOME=str(tmp_path)).splitlines()
+    out = _in_process(PRODUCT, CC="false", DFLASH_MLX_CACHE=str(tmp_path)).splitlines()
     assert out[0].startswith("OpenBLAS") and "few-row kernel not built: false failed" in out[0]
     assert out[1] == want
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
-    out = _in_process(PRODUCT, XDG_CACHE_HOME=str(tmp_path)).splitlines()
+    out = _in_process(PRODUCT, DFLASH_MLX_CACHE=str(tmp_path)).splitlines()
     assert "few-row kernel in front" in out[0] and out[1] == want
     assert len(list(tmp_path.rglob("few_rows_sgemm-*.so"))) == 1
 
@@ -113,7 +113,7 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel(tmp_path):
         f'exec {shutil.which("cc")} "$@"\n'
     )
     cc.chmod(0o755)
-    env = {"CC": str(cc), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {"CC": str(cc), "DFLASH_MLX_CACHE": str(tmp_path / "cache")}
     for _ in range(2):
         out = _in_process(PRODUCT, **env).splitlines()
         assert "few-row kernel in front, on one thread (no OpenMP)" in out[0]

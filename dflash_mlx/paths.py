@@ -1,0 +1,15 @@
+"""Where dflash-mlx keeps what it makes once: converted models, training data, built kernels.
+
+A leaf module (no mlx import): `blas.py` needs it before mlx is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Cache root: ``$DFLASH_MLX_CACHE`` or ``~/.cache/dflash-mlx``."""
+    root = os.environ.get("DFLASH_MLX_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "dflash-mlx"
