@@ -8,7 +8,7 @@ does so first thing. Set DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
 
 In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
 system C compiler, with OpenMP where it has it (cached in `paths.cache_dir()`/kernels):
-products of up to 16 rows against a weight matrix, a decoding step's and a verify
+products of up to 32 rows against a weight matrix, a decoding step's and a verify
 forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
 weight matrix on every call. Everything else goes on to OpenBLAS. Set DFLASH_MLX_NO_FEW_ROWS=1
 to bind OpenBLAS alone.

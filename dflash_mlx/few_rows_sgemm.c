@@ -1,7 +1,7 @@
 /* A cblas_sgemm for MLX's CPU backend that computes products with few rows itself.
  *
  * MLX's CPU matmuls call `cblas_sgemm`. For `x @ W.T` with a few rows of x (a decoding step
- * has 1, a verify forward 2-16) OpenBLAS packs a copy of all of W on every call, which costs
+ * has 1, a verify forward 2-16, a tree forward up to 33) OpenBLAS packs a copy of all of W on every call, which costs
  * more than the product: a one-row 576x1536 product took 0.18 ms through OpenBLAS 0.3.21 and
  * 0.064 ms here, four rows 0.31 and 0.06 ms, sixteen 0.26 and 0.14 ms (SmolLM2's shapes, the
  * weights streamed from memory; benchmarks/blas_matmul.py).
@@ -18,7 +18,8 @@
 #endif
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define MAX_ROWS 16
+#define MAX_ROWS 32 /* with weights streamed, faster than OpenBLAS 0.3.21 up to here built for
+                      AVX2 (up to 256 rows with AVX-512): benchmarks/README.md */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
