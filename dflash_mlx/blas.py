@@ -10,8 +10,8 @@ In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
 system C compiler, with OpenMP where it has it (cached in `paths.cache_dir()`/kernels):
 products of up to 32 rows against a weight matrix, a decoding step's and a verify
 forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
-weight matrix on every call. Everything else goes on to OpenBLAS. Set DFLASH_MLX_NO_FEW_ROWS=1
-to bind OpenBLAS alone.
+weight matrix on every call. Everything else goes on to OpenBLAS. Set
+DFLASH_MLX_NO_FEW_ROWS=1 to bind OpenBLAS alone.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def _built_kernel() -> tuple[Path, bool]:
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):  # a shared cache may serve several CPUs
         cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
-    cache = cache_dir() / "kernels"
+    cache, source = cache_dir() / "kernels", KERNEL_SOURCE.read_text()
     builds = []
     for flags in ([*KERNEL_FLAGS, "-fopenmp"], list(KERNEL_FLAGS)):
-        key = "\0".join([KERNEL_SOURCE.read_text(), compiler, *flags, platform.machine(), cpu])
+        key = "\0".join([source, compiler, *flags, platform.machine(), cpu])
         name = f"few_rows_sgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         builds.append((flags, cache / name))
     for flags, path in builds:

@@ -15,8 +15,8 @@ import mlx.core as mx
 from . import __version__, bench, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .distributed import is_backend_error, refuse_distributed, world_group
-from .gguf import cache_dir
 from .kernels.cuda import cuda_available
+from .paths import cache_dir
 
 
 def device_description() -> str:

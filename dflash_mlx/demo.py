@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> None:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     if args.model is None:
-        from .gguf import cache_dir, smollm2_model_dir
+        from .gguf import smollm2_model_dir
+        from .paths import cache_dir
 
         if not (cache_dir() / "models").exists():
             print("Fetching SmolLM2-135M-Instruct (first run only)...", flush=True)

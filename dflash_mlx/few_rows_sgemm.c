@@ -1,10 +1,10 @@
 /* A cblas_sgemm for MLX's CPU backend that computes products with few rows itself.
  *
  * MLX's CPU matmuls call `cblas_sgemm`. For `x @ W.T` with a few rows of x (a decoding step
- * has 1, a verify forward 2-16, a tree forward up to 33) OpenBLAS packs a copy of all of W on every call, which costs
- * more than the product: a one-row 576x1536 product took 0.18 ms through OpenBLAS 0.3.21 and
- * 0.064 ms here, four rows 0.31 and 0.06 ms, sixteen 0.26 and 0.14 ms (SmolLM2's shapes, the
- * weights streamed from memory; benchmarks/blas_matmul.py).
+ * has 1, a verify forward 2-16, a tree forward up to 33) OpenBLAS packs a copy of all of W
+ * on every call, which costs more than the product: a one-row 576x1536 product took 0.18 ms
+ * through OpenBLAS 0.3.21 and 0.064 ms here, four rows 0.31 and 0.06 ms, sixteen 0.26 and
+ * 0.14 ms (SmolLM2's shapes, the weights streamed from memory; benchmarks/blas_matmul.py).
  * Here every output is a dot product of a row of the small operand with a row of the large one,
  * read where they lie: W is streamed once, each of its rows used for all the few rows while it
  * is in cache, over OpenMP threads. Every other call goes to the BLAS it was bound over

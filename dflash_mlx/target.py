@@ -295,8 +295,8 @@ def _rebound_class(cls: type, backend: str) -> type | None:
 
 def verify_backend() -> str | None:
     """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`'s
-    exps), "cuda" (the verify-attention kernel; not with
-    DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
+    exps), "cuda" (the verify-attention kernel; not with DFLASH_MLX_KERNELS=reference),
+    or None (mlx-lm's forward as it is)."""
     if mx.default_device() == mx.cpu:
         return "cpu"
     if cuda_kernels.is_available() and kernels.requested_backend() != "reference":
@@ -507,8 +507,8 @@ class TargetAdapter:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
         Over several positions on the CPU SwiGLUs and attention take their exps
-        from `cpu_math`; on MLX's CUDA backend attention takes
-        the verify kernel (see the module docstring).
+        from `cpu_math`; on MLX's CUDA backend attention takes the verify kernel
+        (see the module docstring).
         """
         backend = verify_backend() if tokens.size > 1 else None
         if backend is None:

@@ -31,7 +31,7 @@ DFLASH2_FLAGS = {
 
 
 def default_work_dir(name: str) -> Path:
-    from ..gguf import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "train" / name
 
