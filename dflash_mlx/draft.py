@@ -42,6 +42,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import block_attention
+from .kernels.cuda import few_rows_linears
 
 KERNEL_BACKENDS = ("auto", "metal", "reference")
 REQUIRED_FIELDS = (
@@ -592,7 +593,8 @@ class DFlashDraft(nn.Module):
         self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Final hidden states (L - 1, hidden) of the block's mask positions."""
-        return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
+        with few_rows_linears(self.layers):  # on CUDA: products of the block's few rows
+            return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
         """`lm_head(hidden)` times `output_multiplier`, soft-capped by `final_logit_softcapping`

@@ -28,7 +28,9 @@ same rebinding gives the attention modules the verify-attention kernel
 (`kernels/cuda.py`): MLX sends 4 or more bf16/fp16 queries to cuDNN, whose graphs
 are cached by shape while every cycle has more keys than the last; side by side on
 an H100 a cycle through the kernel cost 0.71-0.74x one through cuDNN ("Verify
-forward on an H100" in benchmarks/README.md).
+forward on an H100" in benchmarks/README.md). There the blocks' plain linear layers
+and the LM head also change class for the verify forward, to take the few-rows
+kernel (`kernels/cuda.py`) in place of cuBLAS.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import cpu_math, kernels
+from . import cpu_math
 from .kernels import cuda as cuda_kernels
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
@@ -299,14 +301,14 @@ def verify_backend() -> str | None:
     or None (mlx-lm's forward as it is)."""
     if mx.default_device() == mx.cpu:
         return "cpu"
-    if cuda_kernels.is_available() and kernels.requested_backend() != "reference":
+    if cuda_kernels.enabled():
         return "cuda"
     return None
 
 
 VERIFY_PATHS = {
     "cpu": "cpu_math exps",
-    "cuda": "CUDA verify-attention kernel",
+    "cuda": "CUDA verify-attention and few-rows product kernels",
     None: "mlx-lm's forward",
 }
 
@@ -315,11 +317,14 @@ def _verify_swaps(
     layers: list[nn.Module | None], backend: str
 ) -> list[tuple[nn.Module, type, type]]:
     """(module, its class, its class during a verify forward on `backend`) for the blocks'
-    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA)."""
+    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA) and, on CUDA,
+    the plain linear layers and LM head (`kernels.cuda.few_rows_class`)."""
     swaps = []
     for layer in filter(None, layers):  # None: another pipeline rank's layer
         for m in layer.modules():
-            if (verify := _rebound_class(type(m), backend)) is not None:
+            if backend == "cuda" and (few_rows := cuda_kernels.few_rows_class(m)) is not None:
+                swaps.append((m, type(m), few_rows))
+            elif (verify := _rebound_class(type(m), backend)) is not None:
                 swaps.append((m, type(m), verify))
     return swaps
 
@@ -349,6 +354,7 @@ class RestrictedHead:
         self.head, self.token_ids, self.ids = head, list(token_ids), mx.array(token_ids)
         self.weights = {n: w[self.ids] for n, w in head.items() if isinstance(w, mx.array)}
         mx.eval(self.weights)
+        self.few_rows = cuda_kernels.enabled()  # the drafter's block: 2-16 rows
 
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
@@ -364,6 +370,8 @@ class RestrictedHead:
                 bits=self.head.bits,
                 mode=self.head.mode,
             )
+        elif self.few_rows:
+            out = cuda_kernels.times_transposed(x, w["weight"])
         else:
             out = x @ w["weight"].T
         return out + w["bias"] if "bias" in w else out
@@ -514,7 +522,7 @@ class TargetAdapter:
         if backend is None:
             return self.model(tokens[None], cache=cache)[0]
         if backend not in self._verify_swaps:
-            self._verify_swaps[backend] = _verify_swaps(self.layers, backend)
+            self._verify_swaps[backend] = _verify_swaps([*self.layers, self.head], backend)
         swaps = self._verify_swaps[backend]
         hooked = [(m, cls, verify) for m, cls, verify in swaps if type(m) is cls]
         with _HOOKING:  # graph building only: the classes are back before anything runs
@@ -535,6 +543,9 @@ class TargetAdapter:
         """The head the drafter proposes through: the LM head, restricted to `token_ids`
         if given. Build it once per generation: the restriction slices the weights."""
         if token_ids is None:
+            plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
+            if plain and cuda_kernels.enabled():  # the drafter's block: 2-16 rows
+                return partial(cuda_kernels.times_transposed, weight=self.head.weight)
             return self.lm_head
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)

@@ -176,7 +176,7 @@ def test_info_names_the_cuda_gpu_and_the_reference_kernels(capsys):
     assert f"gpu: {mx.device_info()['device_name']} (CUDA)" in out
     assert re.search(r"cuda available +True", out)
     assert re.search(r"block-attention kernels +reference", out)
-    assert re.search(r"verify forward +CUDA verify-attention kernel", out)
+    assert re.search(r"verify forward +CUDA verify-attention and few-rows product kernels", out)
     assert re.search(r"models load in +the checkpoint's dtype", out)
 
 

@@ -8,6 +8,7 @@ CUDA GPU, the kernel itself is checked against MLX's SDPA.
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import test_families
@@ -129,3 +130,73 @@ def test_kernel_equals_mlx_sdpa(dtype, n, context, q_heads, kv_heads, head_dim):
         error = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
         # bf16/fp16 outputs round differently; float32 references go through TF32 products
         assert error < {mx.bfloat16: 1e-2, mx.float16: 2e-3, mx.float32: 2e-3}[dtype]
+
+
+@pytest.fixture
+def few_rows(as_cuda, monkeypatch):
+    """As `as_cuda`, and the few-rows kernel runs (here: an exact stand-in, `x @ w.T`, taking
+    float32 weights too); returns (rows, id of the weight) of every product it was given."""
+    calls = []
+
+    def recording(x, weight):
+        calls.append((x.size // x.shape[-1], id(weight)))
+        return x @ weight.T
+
+    monkeypatch.setattr(cuda_kernels, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_kernels, "few_rows_weight", lambda weight: weight.ndim == 2)
+    monkeypatch.setattr(cuda_kernels, "few_rows_matmul", recording)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_verify_and_draft_products_of_several_rows_take_the_few_rows_kernel(
+    tokenizer, few_rows, name
+):
+    """Every plain linear layer of the target's blocks, its LM head (tied or not), the
+    drafter's layers and the head it drafts through: products of 2+ rows go to the kernel,
+    one row to MLX's; the output stays mlx-lm's, and the classes are back afterwards."""
+    model = build(name, fields=dict(FAMILIES[name][1], head_dim=32))
+    draft = init_draft(model, num_layers=2, block_size=8)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS, set())
+    classes = {id(m): type(m) for m in [*model.modules(), *draft.modules()]}
+    for drafter in (draft, OracleDraft(draft, PROMPT + expected)):  # drafting; long accepts
+        tokens = run(model, drafter, tokenizer, block_size=8)
+        assert tokens == expected[:MAX_TOKENS], (
+            f"first difference at {first_difference(tokens, expected)}"
+        )
+    assert all(2 <= rows <= 8 for rows, _ in few_rows)
+    taken = {weight for _, weight in few_rows}
+    target = target_module.TargetAdapter(model)
+    linears = [m for layer in [*target.layers, *draft.layers] for m in layer.modules()]
+    wanted = {id(m.weight) for m in linears if type(m) is nn.Linear} | {id(target.head.weight)}
+    assert wanted <= taken
+    assert classes == {id(m): type(m) for m in [*model.modules(), *draft.modules()]}
+
+
+def test_few_rows_supports_names_what_the_kernel_takes():
+    x = mx.zeros((1, 16, 4096), dtype=mx.bfloat16)
+    w = mx.zeros((1024, 4096), dtype=mx.bfloat16)
+    assert cuda_kernels.few_rows_supports(x, w)
+    assert cuda_kernels.few_rows_supports(x[:, :1], w)  # one row too (the layer uses MLX's)
+    assert not cuda_kernels.few_rows_supports(x, w.astype(mx.float16))  # mixed dtypes
+    assert not cuda_kernels.few_rows_supports(x.astype(mx.float32), w.astype(mx.float32))
+    assert not cuda_kernels.few_rows_supports(mx.zeros((1, 17, 4096), mx.bfloat16), w)
+    assert not cuda_kernels.few_rows_supports(x[..., :4092], w[:, :4092])  # K not a multiple of 8
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("n_out, depth", [(1024, 4096), (4096, 12288), (300, 576), (6, 40)])
+def test_few_rows_kernel_equals_float32_products(dtype, rows, n_out, depth):
+    """Tails of every tile (N not a multiple of 8 or 16, K of 32, rows of 16) and a strided
+    (non-contiguous) input, against float32 products."""
+    mx.random.seed(rows)
+    x = mx.random.normal((1, rows, depth)).astype(dtype)
+    w = (mx.random.normal((n_out, depth)) * depth**-0.5).astype(dtype)
+    strided = mx.random.normal((1, rows, depth + 8)).astype(dtype)[..., 8:]
+    for given in (x, strided):
+        ref = given.astype(mx.float32) @ w.astype(mx.float32).T
+        got = cuda_kernels.few_rows_matmul(given, w).astype(mx.float32).reshape(ref.shape)
+        error = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
+        assert error < 1e-2  # bf16/fp16 outputs: one rounding of a float32 sum

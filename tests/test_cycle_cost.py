@@ -134,3 +134,23 @@ def test_the_split_verify_meets_one_more_cached_position_each_time():
         assert bench.verify_at_a_new_length() > 0
         assert bench.growing_cache[0].offset == 8 + grown
     assert bench.cache[0].offset == 8
+
+
+def test_cuda_linear_runs_where_mlx_has_a_gpu_and_says_why_not_elsewhere():
+    """benchmarks/cuda_linear.py, a real run: on a GPU both parts, side by side; elsewhere one
+    line naming what it needs."""
+    script = SCRIPT.parent / "cuda_linear.py"
+    args = ["--shape", "tiny", "--rounds", "1", "--reps", "1", "--max-tokens", "24"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SCRIPT.parent,
+    )
+    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        assert proc.returncode == 0, proc.stderr
+        assert "q_proj" in proc.stdout and "verify forward" in proc.stdout
+    else:
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert "needs MLX's CUDA backend" in proc.stderr

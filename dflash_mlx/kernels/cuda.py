@@ -1,7 +1,7 @@
-"""Verify attention on NVIDIA GPUs: a few queries over a KV cache, one CUDA kernel.
+"""Verify and draft forwards on NVIDIA GPUs: two CUDA kernels for what MLX does slowly there.
 
-A verify forward attends n (2..64) new positions over the cached context plus
-themselves. MLX's CUDA backend sends 4 or more bf16/fp16 queries to cuDNN's flash
+Verify attention. A verify forward attends n (2..64) new positions over the cached context
+plus themselves. MLX's CUDA backend sends 4 or more bf16/fp16 queries to cuDNN's flash
 attention, whose graphs it caches by shape, and every cycle has more keys than
 the last. In side-by-side runs on an H100 (Qwen3-8B's shape) the cycles through
 cuDNN spent 4.9-6.2 ms on the host beyond their forwards, through this kernel
@@ -13,15 +13,30 @@ a (n, n) visibility matrix: lower-triangular for a chain (causal), the ancestor
 mask for a tree; every earlier key is visible. Keys and values are read through
 their strides, so a KV cache's slice of its buffer is not copied.
 
-Runs through `mx.fast.cuda_kernel`; `supports` says which inputs it takes.
+Few-rows products. MLX multiplies one row by a weight matrix with its own GEMV and 2 or
+more rows with cuBLAS, which costs 1.4-2.4x the GEMV on the GPU at 2-16 rows of Qwen3-8B's
+attention projections and sets up a cuBLAS plan on the host at every call. The few-rows
+kernel streams the weight once through tensor-core MMAs (m16n8k16, fp32 sums) for up to 16
+rows; verify and draft forwards on CUDA take it for their linear layers and LM heads
+(`FewRowsLinear`, `few_rows_linears`). Interleaved on an H100 it made the 16-position verify
+forward and the drafter's forward 14-18 % cheaper (benchmarks/README.md, "The few-rows
+kernel on an H100").
+
+Both run through `mx.fast.cuda_kernel`; `supports` and `few_rows_supports` say which inputs
+they take.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+
+from . import requested_backend
 
 THREADS = 256  # 8 warps per (query, head)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -129,6 +144,12 @@ def is_available() -> bool:
     return mx.default_device() == mx.gpu and cuda_available()
 
 
+def enabled() -> bool:
+    """Whether the CUDA kernels are used: MLX runs on its CUDA backend and DFLASH_MLX_KERNELS
+    does not say "reference"."""
+    return is_available() and requested_backend() != "reference"
+
+
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether the kernel takes these inputs: one float dtype, head dim 32..256 (a multiple
     of 32) shared by keys and values, at most MAX_QUERIES queries."""
@@ -167,6 +188,231 @@ def verify_attention(
         output_dtypes=[queries.dtype],
     )
     return out.transpose(0, 2, 1, 3)
+
+
+FEW_ROWS_SOURCE = """
+    // out (M, N) = x (M, K) @ w (N, K).T for M <= 16, with tensor-core MMAs. A block of
+    // THREADS threads makes 8 * N_TILES output columns; its warps take turns along K in
+    // steps of 32 and add their partial sums up in shared memory at the end (a fixed
+    // order: the result does not depend on timing). Each warp loads UNROLL steps before
+    // multiplying them, to keep more bytes in flight. In a step, lane (g, t) loads 8
+    // consecutive elements at k = step + 8 t from weight row g of each 8-row tile (and
+    // from rows g and g + 8 of x): four lanes read 64 contiguous bytes of a row. Two
+    // m16n8k16 MMAs consume them; their 16 k-slots are mapped to those 32 k the same
+    // way for x and w, so each sums over exactly the step's k.
+    constexpr int WARPS = THREADS / 32;
+    constexpr int COLS = 8 * N_TILES;
+    __shared__ float partial[WARPS][16][COLS];
+    const int K = x_shape[x_ndim - 1];
+    int M = 1;
+    for (int i = 0; i < x_ndim - 1; ++i) {
+        M *= x_shape[i];
+    }
+    const int N = w_shape[0];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int n0 = blockIdx.x * COLS;
+    float acc[N_TILES][4] = {};
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int first = warp * 32; first < K; first += UNROLL * WARPS * 32) {
+        uint4 xa[UNROLL], xb[UNROLL], wv[UNROLL][N_TILES];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // all loads of UNROLL steps first: more in flight
+            const int k = first + u * WARPS * 32 + t * 8;
+            const bool in_k = k < K;
+            const T* row = x + (size_t)g * K + k;
+            xa[u] = in_k && g < M ? *reinterpret_cast<const uint4*>(row) : zero;
+            xb[u] = in_k && g + 8 < M ? *reinterpret_cast<const uint4*>(row + 8 * K) : zero;
+            #pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt) {
+                const int c = n0 + nt * 8 + g;
+                const uint4* p = reinterpret_cast<const uint4*>(w + (size_t)c * K + k);
+                wv[u][nt] = in_k && c < N ? __ldg(p) : zero;
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint4 a = xa[u];
+            const uint4 b = xb[u];
+            #pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt) {
+                const uint4 v = wv[u][nt];
+                mma16816<BF16>(acc[nt], a.x, b.x, a.y, b.y, v.x, v.y);
+                mma16816<BF16>(acc[nt], a.z, b.z, a.w, b.w, v.z, v.w);
+            }
+        }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            partial[warp][g][nt * 8 + t * 2 + j] = acc[nt][j];
+            partial[warp][g + 8][nt * 8 + t * 2 + j] = acc[nt][2 + j];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * COLS; i += THREADS) {
+        const int r = i / COLS;
+        const int c = n0 + i % COLS;
+        if (r < M && c < N) {
+            float sum = 0.0f;
+            #pragma unroll
+            for (int w_ = 0; w_ < WARPS; ++w_) {
+                sum += partial[w_][r][i % COLS];
+            }
+            out[(size_t)r * N + c] = static_cast<T>(sum);
+        }
+    }
+"""
+
+FEW_ROWS_HEADER = """
+// d += a (16 x 16, row-major fragment) * b (16 x 8, column-major fragment), fp32 accumulators.
+template <bool BF16>
+__device__ __forceinline__ void mma16816(
+    float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+"""
+
+# At 17-32 rows (a second tile) the kernel lost to cuBLAS in Qwen3-8B's MLP (75-95 against
+# 58-62 us a call on an H100), so it takes one tile's worth.
+FEW_ROWS_MAX = 16
+FEW_ROWS_DTYPES = (mx.float16, mx.bfloat16)
+FEW_ROWS_THREADS = 256
+FEW_ROWS_UNROLL = 2
+
+
+@cache
+def _few_rows_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash_few_rows_matmul",
+        input_names=["x", "w"],
+        output_names=["out"],
+        source=FEW_ROWS_SOURCE,
+        header=FEW_ROWS_HEADER,
+    )
+
+
+@cache
+def _few_rows_launch(dtype: mx.Dtype, n_out: int) -> tuple[list, tuple, tuple]:
+    """(template, grid, threadgroup) of a product: two 8-column tiles a block where that
+    still makes two blocks per multiprocessor of an H100 (132), else one."""
+    col_tiles = 2 if n_out >= 16 * 264 else 1
+    template = [
+        ("T", dtype),
+        ("BF16", dtype == mx.bfloat16),
+        ("THREADS", FEW_ROWS_THREADS),
+        ("N_TILES", col_tiles),
+        ("UNROLL", FEW_ROWS_UNROLL),
+    ]
+    grid = (-(-n_out // (8 * col_tiles)) * FEW_ROWS_THREADS, 1, 1)
+    return template, grid, (FEW_ROWS_THREADS, 1, 1)
+
+
+def few_rows_weight(weight: mx.array) -> bool:
+    """Whether the kernel takes `weight` (N, K) as the right operand: bf16/fp16, K % 8 == 0."""
+    return weight.dtype in FEW_ROWS_DTYPES and weight.ndim == 2 and weight.shape[1] % 8 == 0
+
+
+def few_rows_supports(x: mx.array, weight: mx.array) -> bool:
+    """Whether `few_rows_matmul` takes these: `few_rows_weight`, x of its dtype and depth,
+    1..16 rows."""
+    depth = x.shape[-1]
+    return (
+        few_rows_weight(weight)
+        and x.dtype == weight.dtype
+        and weight.shape[1] == depth
+        and 1 <= x.size // depth <= FEW_ROWS_MAX
+    )
+
+
+def few_rows_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T` for a few rows of x (`few_rows_supports`): fp32 sums rounded once."""
+    n_out = weight.shape[0]
+    template, grid, threads = _few_rows_launch(x.dtype, n_out)
+    return _few_rows_kernel()(
+        inputs=[x, weight],
+        template=template,
+        grid=grid,
+        threadgroup=threads,
+        output_shapes=[(*x.shape[:-1], n_out)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def times_transposed(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T`, by the few-rows kernel over the 2..16 rows it takes. Only where the
+    kernel runs (`enabled`): callers check that once, not per product."""
+    if 2 <= x.size // x.shape[-1] <= FEW_ROWS_MAX and few_rows_supports(x, weight):
+        return few_rows_matmul(x, weight)
+    return x @ weight.T
+
+
+class FewRowsLinear(nn.Linear):
+    """`nn.Linear` whose products over 2..16 rows take the few-rows kernel: the class of a
+    layer with a `few_rows_weight` while a graph is built on CUDA (`few_rows_linears`, the
+    verify forward's swaps). Graph building is on the critical path of a cycle, so the
+    weight is checked once, at the swap, and each call only checks x."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if not 2 <= x.size // x.shape[-1] <= FEW_ROWS_MAX or x.dtype != weight.dtype:
+            return super().__call__(x)
+        y = few_rows_matmul(x, weight)
+        return y + self["bias"] if "bias" in self else y
+
+
+class FewRowsEmbedding(nn.Embedding):
+    """`nn.Embedding` whose `as_linear` (a tied LM head) takes the few-rows kernel likewise."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return times_transposed(x, self["weight"])
+
+
+FEW_ROWS_CLASSES = {nn.Linear: FewRowsLinear, nn.Embedding: FewRowsEmbedding}
+
+
+def few_rows_class(module: nn.Module) -> type | None:
+    """The class `module` takes while a graph is built on CUDA, or None to keep its own: plain
+    (not quantized, not sharded) linear layers and embeddings with a `few_rows_weight`."""
+    swap = FEW_ROWS_CLASSES.get(type(module))
+    return swap if swap is not None and few_rows_weight(module["weight"]) else None
+
+
+@contextmanager
+def few_rows_linears(modules: list[nn.Module]) -> Iterator[None]:
+    """While a graph is built: the plain linear layers in `modules` take the few-rows kernel
+    where it runs (`enabled`); elsewhere nothing changes. A module another thread has
+    swapped already is left to it: both classes compute alike."""
+    swapped = []
+    if enabled():
+        swapped = [
+            m
+            for module in modules
+            for m in module.modules()
+            if type(m) is nn.Linear and few_rows_class(m) is not None
+        ]
+    for m in swapped:
+        m.__class__ = FewRowsLinear
+    try:
+        yield
+    finally:
+        for m in swapped:
+            m.__class__ = nn.Linear
 
 
 @cache
