@@ -370,10 +370,11 @@ class FewRowsLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        if not 2 <= x.size // x.shape[-1] <= FEW_ROWS_MAX or x.dtype != weight.dtype:
-            return super().__call__(x)
-        y = few_rows_matmul(x, weight)
-        return y + self["bias"] if "bias" in self else y
+        alike = x.dtype == weight.dtype and x.shape[-1] == weight.shape[1]
+        if alike and 2 <= x.size // x.shape[-1] <= FEW_ROWS_MAX:
+            y = few_rows_matmul(x, weight)
+            return y + self["bias"] if "bias" in self else y
+        return super().__call__(x)  # MLX's product (or its error, for a wrong shape)
 
 
 class FewRowsEmbedding(nn.Embedding):
