@@ -8,9 +8,9 @@ on the host at every call. `kernels/cuda.py`'s few-rows kernel takes 2..16 rows 
 and draft forwards. Two parts, random weights in a published shape (cycle_cost.py's
 `--shape`):
 
-- per product, for each linear layer of a block and the LM head: microseconds per call on
-  the GPU (one copy per layer, distinct weights, evaluated together, as in a forward) and
-  on the host to build the call, MLX's `x @ w.T` against the kernel, at 1..16 rows;
+- per product, for each linear layer of a block and the LM head: microseconds per call,
+  built and run (one copy per layer, distinct weights, evaluated together, as in a forward),
+  and of those the host's to build the call, MLX's `x @ w.T` against the kernel, at 1..16 rows;
 - per cycle, with the kernel and without it alternately in every round (so that the
   shared machine's drift hits both): mlx-lm's step, a cycle at block 16 with a random
   drafter (never accepted), the drafter's forward, the verify forward and the target
@@ -59,7 +59,7 @@ def per_product(model, reps: int) -> None:
     }
     if "lm_head" in model:
         linears["lm_head (once)"] = [model.lm_head.weight]
-    print("\nper product: GPU us per call (host us to build it), MLX / kernel")
+    print("\nper product: us per call, built and run (of which building it), MLX / kernel")
     print(f"{'linear':>16s}" + "".join(f"{'rows ' + str(r):>24s}" for r in ROWS))
     for name, weights in linears.items():
         line = []
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-products", action="store_true")
     args = parser.parse_args(argv)
     if not cuda_kernels.is_available():
-        sys.exit("cuda_linear.py: needs MLX's CUDA backend (pip install mlx-cuda) and a GPU")
+        sys.exit(
+            "cuda_linear.py: needs MLX's CUDA backend (pip install -e '.[cuda]') and an NVIDIA GPU"
+        )
     cc_args = argparse.Namespace(
         model=None,
         shape=args.shape,

@@ -14,7 +14,7 @@ mask for a tree; every earlier key is visible. Keys and values are read through
 their strides, so a KV cache's slice of its buffer is not copied.
 
 Few-rows products. MLX multiplies one row by a weight matrix with its own GEMV and 2 or
-more rows with cuBLAS, which costs 1.4-2.4x the GEMV on the GPU at 2-16 rows of Qwen3-8B's
+more rows with cuBLAS, which costs 1.4-2.5x the GEMV at 2-16 rows of Qwen3-8B's
 attention projections and sets up a cuBLAS plan on the host at every call. The few-rows
 kernel streams the weight once through tensor-core MMAs (m16n8k16, fp32 sums) for up to 16
 rows; verify and draft forwards on CUDA take it for their linear layers and LM heads
