@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import mlx.core as mx
@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import block_attention
-from .kernels.cuda import few_rows_linears
+from .kernels.cuda import few_rows_linears, plain_linears
 
 KERNEL_BACKENDS = ("auto", "metal", "reference")
 REQUIRED_FIELDS = (
@@ -564,6 +564,13 @@ class DFlashDraft(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    @cached_property
+    def block_linears(self) -> list[nn.Module]:
+        """The draft layers' plain linear layers, found at the first block: graph building is
+        on a cycle's critical path on a GPU, so the module tree is not walked per block (the
+        list lives outside the parameter tree)."""
+        return plain_linears(self.layers)
+
     def fuse(self, target_hidden: mx.array) -> mx.array:
         """The context rows: concatenated target features -> fc -> hidden_norm."""
         return self.hidden_norm(self.fc(target_hidden))
@@ -593,7 +600,7 @@ class DFlashDraft(nn.Module):
         self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Final hidden states (L - 1, hidden) of the block's mask positions."""
-        with few_rows_linears(self.layers):  # on CUDA: products of the block's few rows
+        with few_rows_linears(self.block_linears):  # on CUDA: the block's few rows
             return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:

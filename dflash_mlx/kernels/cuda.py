@@ -357,7 +357,7 @@ def few_rows_matmul(x: mx.array, weight: mx.array) -> mx.array:
 def times_transposed(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T`, by the few-rows kernel over the 2..16 rows it takes. Only where the
     kernel runs (`enabled`): callers check that once, not per product."""
-    if 2 <= x.size // x.shape[-1] <= FEW_ROWS_MAX and few_rows_supports(x, weight):
+    if x.size // x.shape[-1] >= 2 and few_rows_supports(x, weight):
         return few_rows_matmul(x, weight)
     return x @ weight.T
 
@@ -394,19 +394,20 @@ def few_rows_class(module: nn.Module) -> type | None:
     return swap if swap is not None and few_rows_weight(module["weight"]) else None
 
 
+def plain_linears(modules: list[nn.Module]) -> list[nn.Module]:
+    """The `nn.Linear` layers (that class exactly: not quantized, not sharded) in `modules`,
+    for `few_rows_linears`: found once, not at every forward."""
+    return [m for module in modules for m in module.modules() if type(m) is nn.Linear]
+
+
 @contextmanager
-def few_rows_linears(modules: list[nn.Module]) -> Iterator[None]:
-    """While a graph is built: the plain linear layers in `modules` take the few-rows kernel
-    where it runs (`enabled`); elsewhere nothing changes. A module another thread has
-    swapped already is left to it: both classes compute alike."""
+def few_rows_linears(linears: list[nn.Module]) -> Iterator[None]:
+    """While a graph is built: `linears` (`plain_linears`) take the few-rows kernel where it
+    runs (`enabled`); elsewhere nothing changes. A module another thread has swapped
+    already is left to it: both classes compute alike."""
     swapped = []
     if enabled():
-        swapped = [
-            m
-            for module in modules
-            for m in module.modules()
-            if type(m) is nn.Linear and few_rows_class(m) is not None
-        ]
+        swapped = [m for m in linears if type(m) is nn.Linear and few_rows_class(m) is not None]
     for m in swapped:
         m.__class__ = FewRowsLinear
     try:
