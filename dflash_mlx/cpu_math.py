@@ -1,4 +1,5 @@
-"""Vectorisable exp, SwiGLU, attention and log-sum-exp for float32 work on the CPU.
+"""Vectorisable exp, SwiGLU, attention and log-sum-exp for float32 work on the CPU, and
+RMSNorm and RoPE compiled.
 
 MLX's x86 CPU build runs element-wise ops one element at a time, and its `exp`
 (also inside `sigmoid`, `softmax` and the SDPA fallback) calls libm's `fmaf`
@@ -10,6 +11,13 @@ polynomial, with the 2^n scale built from its exponent bits) and compiled, the
 exp fuses into a few loops the JIT compiler vectorises: ~7 ns an element, and
 within 1.4 units in the last place of the true value (MLX's own is off by up to
 ~20 on large arguments).
+
+MLX's CPU backend has no fused RMSNorm or RoPE: `mx.fast.rms_norm` and
+`mx.fast.rope` fall back to 8-20 small ops each, each costing ~1-3.4 µs beyond its
+arithmetic, 120 of them per SmolLM2 forward. Compiled once per shape (the offset an
+array, so one trace serves every position), they fuse into a few loops: a forward over
+1-16 positions got 3.3-5 ms cheaper (benchmarks/README.md, "Compiled norms and RoPE"),
+with the same bits.
 
 Only arguments ≤ 0 are needed (a softmax or log-sum-exp after subtracting the
 row maximum, a sigmoid through exp(-|x|)), so there is no overflow to handle; results
@@ -106,6 +114,40 @@ def logsumexp(x: mx.array) -> mx.array:
     top = mx.maximum(x.max(axis=-1, keepdims=True), -mx.finfo(x.dtype).max)
     _, total = _unnormalised_softmax_from(x, top)
     return top + mx.log(total)
+
+
+@mx.compile
+def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """`mx.fast.rms_norm`, compiled (one trace per shape and eps)."""
+    return _rms_norm(x, weight, eps)
+
+
+@mx.compile
+def _rope(x, offset, dims, traditional, base, scale, freqs):
+    return mx.fast.rope(
+        x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
+    )
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+) -> mx.array:
+    """`mx.fast.rope`, compiled: one trace per shape serves every offset (an int becomes an
+    array; an array of one offset per batch row is a shape of its own)."""
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return _rope(x, offset, dims, traditional, base, scale, freqs)
 
 
 @lru_cache(maxsize=8)

@@ -21,16 +21,20 @@ CPU) the modules whose `__call__` calls mlx-lm's `swiglu` or
 `scaled_dot_product_attention` (MLPs, MoE activations, attention) get, while its
 graph is built, a subclass whose `__call__` is their own code reading those two
 names from a copy of its globals that binds `cpu_math`'s, and their class back
-right after: MLX's CPU `exp` is scalar, and over 16
-positions and a long context the SwiGLUs' and softmaxes' exps are a large part
-of the forward ("cpu_math" in benchmarks/README.md). On MLX's CUDA backend the
-same rebinding gives the attention modules the verify-attention kernel
-(`kernels/cuda.py`): MLX sends 4 or more bf16/fp16 queries to cuDNN, whose graphs
-are cached by shape while every cycle has more keys than the last; side by side on
-an H100 a cycle through the kernel cost 0.71-0.74x one through cuDNN ("Verify
-forward on an H100" in benchmarks/README.md). There the blocks' plain linear layers
-and the LM head also change class for the verify forward, to take the few-rows
-kernel (`kernels/cuda.py`) in place of cuBLAS.
+right after: MLX's CPU `exp` is scalar, and over 16 positions and a long context
+the SwiGLUs' and softmaxes' exps are a large part of the forward ("cpu_math" in
+benchmarks/README.md). On the CPU the RMSNorm and RoPE modules (MLX's and mlx-lm's
+plain ones) also change class for every forward through `forward`, one position
+included, to run `cpu_math`'s compiled RMSNorm and RoPE: mlx-lm's bits from fewer
+ops (a SmolLM2 forward at one position: 2,563 against 4,071; "Compiled norms and
+RoPE" in benchmarks/README.md). On MLX's CUDA backend the same rebinding gives the
+attention modules the verify-attention kernel (`kernels/cuda.py`): MLX sends 4 or
+more bf16/fp16 queries to cuDNN, whose graphs are cached by shape while every cycle
+has more keys than the last; side by side on an H100 a cycle through the kernel
+cost 0.71-0.74x one through cuDNN ("Verify forward on an H100" in
+benchmarks/README.md). There the blocks' plain linear layers and the LM head also
+change class for the verify forward, to take the few-rows kernel
+(`kernels/cuda.py`) in place of cuBLAS.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from mlx_lm.models.cache import (
     _BaseCache,
     make_prompt_cache,
 )
+from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -268,6 +273,42 @@ _VERIFY_REPLACEMENTS = {
 _REBOUND_CLASSES: dict[tuple[type, str], type | None] = {}
 
 
+def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
+    return cpu_math.rms_norm(x, self["weight"], self.eps)
+
+
+def _compiled_rope(self: nn.RoPE, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    return cpu_math.rope(
+        x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset
+    )
+
+
+def _compiled_freqs_rope(self: nn.Module, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    """Llama3RoPE's and ProportionalRoPE's own call: mx.fast.rope over their frequencies."""
+    return cpu_math.rope(
+        x,
+        self.dims,
+        traditional=self.traditional,
+        base=None,
+        scale=1.0,
+        offset=offset,
+        freqs=self._freqs,
+    )
+
+
+# On the CPU, the class a norm or RoPE module has while a forward's graph is built: its own
+# call with `cpu_math`'s compiled RMSNorm / RoPE (MLX's CPU backend has no fused ones).
+_COMPILED_CLASSES = {
+    cls: type(f"Compiled{cls.__name__}", (cls,), {"__call__": call})
+    for cls, call in (
+        (nn.RMSNorm, _compiled_rms_norm),
+        (nn.RoPE, _compiled_rope),
+        (Llama3RoPE, _compiled_freqs_rope),
+        (ProportionalRoPE, _compiled_freqs_rope),
+    )
+}
+
+
 def _rebound_class(cls: type, backend: str) -> type | None:
     """A subclass of `cls` whose `__call__` is its own code with the `backend`'s verify
     functions bound in place of mlx-lm's, or None when it calls none of them.
@@ -297,8 +338,8 @@ def _rebound_class(cls: type, backend: str) -> type | None:
 
 def verify_backend() -> str | None:
     """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`'s
-    exps), "cuda" (the verify-attention kernel; not with DFLASH_MLX_KERNELS=reference),
-    or None (mlx-lm's forward as it is)."""
+    exps, compiled norms and RoPE), "cuda" (the verify-attention kernel; not with
+    DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
     if mx.default_device() == mx.cpu:
         return "cpu"
     if cuda_kernels.enabled():
@@ -307,7 +348,7 @@ def verify_backend() -> str | None:
 
 
 VERIFY_PATHS = {
-    "cpu": "cpu_math exps",
+    "cpu": "cpu_math exps, compiled norms and RoPE",
     "cuda": "CUDA verify-attention and few-rows product kernels",
     None: "mlx-lm's forward",
 }
@@ -317,14 +358,18 @@ def _verify_swaps(
     layers: list[nn.Module | None], backend: str
 ) -> list[tuple[nn.Module, type, type]]:
     """(module, its class, its class during a verify forward on `backend`) for the blocks'
-    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA) and, on CUDA,
-    the plain linear layers and LM head (`kernels.cuda.few_rows_class`)."""
+    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA), on the CPU
+    the norms and RoPEs (compiled), on CUDA the plain linear layers and LM head
+    (`kernels.cuda.few_rows_class`). Backend "cpu step" (one position): the norms and
+    RoPEs alone, whose compiled results are mlx-lm's bits."""
     swaps = []
     for layer in filter(None, layers):  # None: another pipeline rank's layer
         for m in layer.modules():
             if backend == "cuda" and (few_rows := cuda_kernels.few_rows_class(m)) is not None:
                 swaps.append((m, type(m), few_rows))
-            elif (verify := _rebound_class(type(m), backend)) is not None:
+            elif backend in ("cpu", "cpu step") and type(m) in _COMPILED_CLASSES:
+                swaps.append((m, type(m), _COMPILED_CLASSES[type(m)]))
+            elif backend in _VERIFY_REPLACEMENTS and (verify := _rebound_class(type(m), backend)):
                 swaps.append((m, type(m), verify))
     return swaps
 
@@ -474,7 +519,10 @@ def _tree_class(cls: type) -> type:
                 if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
                     raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
                 tree.roped.add(id(self))
-                out = cls.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
+                own = cls
+                if mx.default_device() == mx.cpu and cls in _COMPILED_CLASSES:
+                    own = _COMPILED_CLASSES[cls]  # the verify forward's compiled RoPE
+                out = own.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
                 return out.swapaxes(0, -2)
 
             body = {"__call__": __call__}
@@ -514,15 +562,19 @@ class TargetAdapter:
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
-        Over several positions on the CPU SwiGLUs and attention take their exps
-        from `cpu_math`; on MLX's CUDA backend attention takes the verify kernel
-        (see the module docstring).
+        On the CPU norms and RoPEs run compiled, and over several positions SwiGLUs and
+        attention take their exps from `cpu_math`; on MLX's CUDA backend attention takes
+        the verify kernel over several positions (see the module docstring).
         """
-        backend = verify_backend() if tokens.size > 1 else None
+        backend = verify_backend()
+        if tokens.size == 1:
+            backend = "cpu step" if backend == "cpu" else None
         if backend is None:
             return self.model(tokens[None], cache=cache)[0]
         if backend not in self._verify_swaps:
-            self._verify_swaps[backend] = _verify_swaps([*self.layers, self.head], backend)
+            norm = getattr(self.backbone, "norm", None)
+            norm = norm if isinstance(norm, nn.Module) else None
+            self._verify_swaps[backend] = _verify_swaps([*self.layers, norm, self.head], backend)
         swaps = self._verify_swaps[backend]
         hooked = [(m, cls, verify) for m, cls, verify in swaps if type(m) is cls]
         with _HOOKING:  # graph building only: the classes are back before anything runs

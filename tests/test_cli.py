@@ -164,7 +164,7 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
         assert key in out
     if mx.default_device() == mx.cpu:
-        assert re.search(r"verify forward +cpu_math exps", out)
+        assert re.search(r"verify forward +cpu_math exps, compiled norms and RoPE", out)
     device = mx.default_device().type.name
     assert f"{device}: {mx.device_info()['device_name']}" in out
 

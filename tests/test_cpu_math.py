@@ -1,5 +1,6 @@
 """cpu_math: the verify forward's exp, SwiGLU and attention against float64 references
-and MLX's own kernels, and how the verify forward binds them."""
+and MLX's own kernels, its compiled RMSNorm and RoPE against MLX's bit for bit, and how
+the target's forwards bind them."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from dflash_mlx import cpu_math
 from dflash_mlx.target import TargetAdapter, _rebound_class
@@ -107,12 +109,48 @@ def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
     model, _, _ = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
     target.forward(mx.array([5, 9, 33]), target.make_cache())
-    verify_classes = {verify.__name__ for _, _, verify in target._verify_swaps["cpu"]}
-    assert verify_classes == {"CpuMathMLP", "CpuMathAttention"}
+    swaps = target._verify_swaps["cpu"]
+    counts = {
+        name: sum(v.__name__ == name for _, _, v in swaps)
+        for name in {v.__name__ for _, _, v in swaps}
+    }
     blocks = len(target.layers)
-    assert (
-        sum(v.__name__ == "CpuMathAttention" for _, _, v in target._verify_swaps["cpu"]) == blocks
-    )
+    # every block's attention, MLP, two norms and RoPE; the final norm
+    assert counts == {
+        "CpuMathAttention": blocks,
+        "CpuMathMLP": blocks,
+        "CompiledRMSNorm": 2 * blocks + 1,
+        "CompiledRoPE": blocks,
+    }
+    assert all(type(m) is cls for m, cls, _ in swaps)  # every class is back
+
+
+def test_a_one_position_forward_is_mlx_lms_bit_for_bit_with_compiled_norms_and_rope(loaded):
+    model, _, _ = loaded("llama-tied-gqa")
+    target = TargetAdapter(model)
+    ours, theirs = target.make_cache(), target.make_cache()
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    model(prompt, cache=ours), model(prompt, cache=theirs)
+    for token in (5, 3, 5, 8):  # at offsets 8-11: one trace serves every offset
+        mine = target.forward(mx.array([token]), ours)
+        assert mx.array_equal(mine, model(mx.array([[token]]), cache=theirs)[0])
+    kinds = {v.__name__ for _, _, v in target._verify_swaps["cpu step"]}
+    assert kinds == {"CompiledRMSNorm", "CompiledRoPE"}  # mlx-lm's attention and MLP as they are
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 1, 64), (1, 3, 16, 64), (2, 4, 5, 32)])
+def test_compiled_rms_norm_and_rope_are_mlx_fast_bit_for_bit(shape):
+    mx.random.seed(6)
+    x = mx.random.normal(shape) * 3
+    weight = mx.random.normal(shape[-1:])
+    for eps in (1e-5, 1e-6):
+        assert mx.array_equal(cpu_math.rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps))
+    freqs = Llama3RoPE(shape[-1], 8192, False, 500000.0, {"factor": 8.0})._freqs
+    for offset in (0, 7, 4095, mx.array(130), mx.arange(shape[0]) + 11):
+        for traditional, base, scale, f in ((False, 1e4, 1.0, None), (True, None, 1.0, freqs)):
+            args = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=f)
+            ours = cpu_math.rope(x, shape[-1], **args)
+            assert mx.array_equal(ours, mx.fast.rope(x, shape[-1], **args))
 
 
 def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():
