@@ -28,11 +28,15 @@ uses it, and when, is its callers' business (`target.py`'s verify forward,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * _LN2_HI is exact
@@ -148,6 +152,63 @@ def rope(
     if not isinstance(offset, mx.array):
         offset = mx.array(offset, dtype=mx.int32)
     return _rope(x, offset, dims, traditional, base, scale, freqs)
+
+
+def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
+    return rms_norm(x, self["weight"], self.eps)
+
+
+def _compiled_rope(self: nn.RoPE, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    return rope(
+        x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset
+    )
+
+
+def _compiled_freqs_rope(self: nn.Module, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    """Llama3RoPE's and ProportionalRoPE's own call: mx.fast.rope over their frequencies."""
+    return rope(
+        x,
+        self.dims,
+        traditional=self.traditional,
+        base=None,
+        scale=1.0,
+        offset=offset,
+        freqs=self._freqs,
+    )
+
+
+# The class a norm or RoPE module of these classes takes, per instance, while a forward's
+# graph is built on the CPU: its own call, with `rms_norm` / `rope`.
+COMPILED_CLASSES = {
+    cls: type(f"Compiled{cls.__name__}", (cls,), {"__call__": call})
+    for cls, call in (
+        (nn.RMSNorm, _compiled_rms_norm),
+        (nn.RoPE, _compiled_rope),
+        (Llama3RoPE, _compiled_freqs_rope),
+        (ProportionalRoPE, _compiled_freqs_rope),
+    )
+}
+
+
+def compiled_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules among `modules` (and their submodules) that have a `COMPILED_CLASSES` class."""
+    return [m for module in modules for m in module.modules() if type(m) in COMPILED_CLASSES]
+
+
+@contextmanager
+def compiled(modules: list[nn.Module]) -> Iterator[None]:
+    """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled;
+    elsewhere nothing changes. A module another thread has swapped is left to it."""
+    swapped = []
+    if mx.default_device() == mx.cpu:
+        swapped = [m for m in modules if type(m) in COMPILED_CLASSES]
+    for m in swapped:
+        m.__class__ = COMPILED_CLASSES[type(m)]
+    try:
+        yield
+    finally:
+        for m in swapped:
+            m.__class__ = m.__class__.__bases__[0]
 
 
 @lru_cache(maxsize=8)

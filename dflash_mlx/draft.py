@@ -41,6 +41,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import cpu_math
 from .kernels import block_attention
 from .kernels.cuda import few_rows_linears, plain_linears
 
@@ -571,6 +572,12 @@ class DFlashDraft(nn.Module):
         list lives outside the parameter tree)."""
         return plain_linears(self.layers)
 
+    @cached_property
+    def block_norms(self) -> list[nn.Module]:
+        """The draft layers' and final norms and RoPEs, which run compiled on the CPU
+        (`cpu_math.compiled`), found once as `block_linears` is."""
+        return cpu_math.compiled_modules([*self.layers, self.norm])
+
     def fuse(self, target_hidden: mx.array) -> mx.array:
         """The context rows: concatenated target features -> fc -> hidden_norm."""
         return self.hidden_norm(self.fc(target_hidden))
@@ -600,7 +607,7 @@ class DFlashDraft(nn.Module):
         self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Final hidden states (L - 1, hidden) of the block's mask positions."""
-        with few_rows_linears(self.block_linears):  # on CUDA: the block's few rows
+        with few_rows_linears(self.block_linears), cpu_math.compiled(self.block_norms):
             return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:

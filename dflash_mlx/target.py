@@ -60,7 +60,6 @@ from mlx_lm.models.cache import (
     _BaseCache,
     make_prompt_cache,
 )
-from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -273,42 +272,6 @@ _VERIFY_REPLACEMENTS = {
 _REBOUND_CLASSES: dict[tuple[type, str], type | None] = {}
 
 
-def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
-    return cpu_math.rms_norm(x, self["weight"], self.eps)
-
-
-def _compiled_rope(self: nn.RoPE, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-    return cpu_math.rope(
-        x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset
-    )
-
-
-def _compiled_freqs_rope(self: nn.Module, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-    """Llama3RoPE's and ProportionalRoPE's own call: mx.fast.rope over their frequencies."""
-    return cpu_math.rope(
-        x,
-        self.dims,
-        traditional=self.traditional,
-        base=None,
-        scale=1.0,
-        offset=offset,
-        freqs=self._freqs,
-    )
-
-
-# On the CPU, the class a norm or RoPE module has while a forward's graph is built: its own
-# call with `cpu_math`'s compiled RMSNorm / RoPE (MLX's CPU backend has no fused ones).
-_COMPILED_CLASSES = {
-    cls: type(f"Compiled{cls.__name__}", (cls,), {"__call__": call})
-    for cls, call in (
-        (nn.RMSNorm, _compiled_rms_norm),
-        (nn.RoPE, _compiled_rope),
-        (Llama3RoPE, _compiled_freqs_rope),
-        (ProportionalRoPE, _compiled_freqs_rope),
-    )
-}
-
-
 def _rebound_class(cls: type, backend: str) -> type | None:
     """A subclass of `cls` whose `__call__` is its own code with the `backend`'s verify
     functions bound in place of mlx-lm's, or None when it calls none of them.
@@ -367,8 +330,8 @@ def _verify_swaps(
         for m in layer.modules():
             if backend == "cuda" and (few_rows := cuda_kernels.few_rows_class(m)) is not None:
                 swaps.append((m, type(m), few_rows))
-            elif backend in ("cpu", "cpu step") and type(m) in _COMPILED_CLASSES:
-                swaps.append((m, type(m), _COMPILED_CLASSES[type(m)]))
+            elif backend in ("cpu", "cpu step") and type(m) in cpu_math.COMPILED_CLASSES:
+                swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
             elif backend in _VERIFY_REPLACEMENTS and (verify := _rebound_class(type(m), backend)):
                 swaps.append((m, type(m), verify))
     return swaps
@@ -520,8 +483,8 @@ def _tree_class(cls: type) -> type:
                     raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
                 tree.roped.add(id(self))
                 own = cls
-                if mx.default_device() == mx.cpu and cls in _COMPILED_CLASSES:
-                    own = _COMPILED_CLASSES[cls]  # the verify forward's compiled RoPE
+                if mx.default_device() == mx.cpu and cls in cpu_math.COMPILED_CLASSES:
+                    own = cpu_math.COMPILED_CLASSES[cls]  # the verify forward's compiled RoPE
                 out = own.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
                 return out.swapaxes(0, -2)
 

@@ -165,3 +165,27 @@ def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():
     assert ours.shape == (4, 1)
     assert np.max(np.abs(ours[:3] - exact) / np.abs(exact)) < 4 * FLOAT32_ULP
     assert ours[3, 0] == -np.inf
+
+
+def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(loaded):
+    model, _, draft = loaded("llama-tied-gqa")
+    target = TargetAdapter(model)
+    cache = target.make_cache()
+    features = {}
+    with target.capture(draft.config.target_layer_ids, cache) as captured:
+        model(mx.array([[3, 1, 4, 1, 5, 9]]), cache=cache)
+        features = mx.concatenate([captured[i] for i in draft.config.target_layer_ids], axis=-1)
+    block = mx.array([7, *[draft.config.mask_token_id] * 3])
+    results = []
+    for swapping in (True, False):
+        draft_cache = draft.make_cache()
+        draft.append_context(features, draft_cache)
+        norms = draft.block_norms if swapping else []
+        with cpu_math.compiled(norms):  # [] leaves every module's class as it is
+            assert {type(m).__name__.startswith("Compiled") for m in norms} <= {True}
+            hidden = draft(draft.embed_blocks(target.embed_tokens, block[None]), draft_cache)
+        results.append(hidden)
+    kinds = {type(m).__name__ for m in draft.block_norms}
+    assert kinds == {"RMSNorm", "RoPE"}  # every class is back
+    assert len(draft.block_norms) == 5 * len(draft.layers) + 1  # 4 norms and a RoPE a layer
+    assert mx.array_equal(*results)
