@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 
 from dflash_mlx import cpu_math
 from dflash_mlx.target import TargetAdapter, _rebound_class
@@ -189,3 +189,27 @@ def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(
     assert kinds == {"RMSNorm", "RoPE"}  # every class is back
     assert len(draft.block_norms) == 5 * len(draft.layers) + 1  # 4 norms and a RoPE a layer
     assert mx.array_equal(*results)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.RMSNorm(64, eps=1e-5),
+        nn.RoPE(64, traditional=False, base=1e6),
+        nn.RoPE(32, traditional=True, base=1e4, scale=0.5),
+        Llama3RoPE(64, 8192, False, 5e5, {"factor": 8.0}),
+        ProportionalRoPE(64, 32, base=1e4),
+    ],
+    ids=type,
+)
+def test_every_compiled_class_computes_its_modules_own_call_bit_for_bit(module):
+    mx.random.seed(7)
+    x = mx.random.normal((1, 4, 6, 64))
+    if isinstance(module, nn.RMSNorm):
+        module.weight = mx.random.normal((64,))
+        calls = [(x,)]
+    else:  # a chain at an offset, and tree nodes at their own positions (one per batch row)
+        calls = [(x, 37), (x.swapaxes(0, -2), mx.array([37, 38, 38, 39, 40, 40]))]
+    compiled_class = cpu_math.COMPILED_CLASSES[type(module)]
+    for args in calls:
+        assert mx.array_equal(compiled_class.__call__(module, *args), module(*args))
