@@ -12,18 +12,19 @@ exp fuses into a few loops the JIT compiler vectorises: ~7 ns an element, and
 within 1.4 units in the last place of the true value (MLX's own is off by up to
 ~20 on large arguments).
 
-MLX's CPU backend has no fused RMSNorm or RoPE: `mx.fast.rms_norm` and
-`mx.fast.rope` fall back to 8-20 small ops each, each costing ~1-3.4 µs beyond its
-arithmetic, 120 of them per SmolLM2 forward. Compiled once per shape (the offset an
-array, so one trace serves every position), they fuse into a few loops: a forward over
-1-16 positions got 3.3-5 ms cheaper (benchmarks/README.md, "Compiled norms and RoPE"),
-with the same bits.
-
 Only arguments ≤ 0 are needed (a softmax or log-sum-exp after subtracting the
 row maximum, a sigmoid through exp(-|x|)), so there is no overflow to handle; results
-below float32's smallest normal number flush to 0. Pure math on arrays: what
-uses it, and when, is its callers' business (`target.py`'s verify forward,
-`sampling.py`'s normalisations).
+below float32's smallest normal number flush to 0. Math on arrays: what uses
+it, and when, is its callers' business (`target.py`'s verify forward,
+`sampling.py`'s normalisations, `draft.py`'s block).
+
+MLX's CPU backend has no fused RMSNorm or RoPE: `mx.fast.rms_norm` and
+`mx.fast.rope` fall back to 8-20 small ops each (121 such calls per SmolLM2 forward),
+every op costing ~1-3.4 µs beyond its arithmetic. Compiled once per shape (the offset
+an array, so one trace serves every position), they fuse into a few loops: a forward
+over 1-16 positions got 3.3-6 ms cheaper (benchmarks/README.md, "Compiled norms and
+RoPE"), with the same bits. `COMPILED_CLASSES` gives norm and RoPE modules a class
+that calls them, for callers to swap in per instance while they build a graph.
 """
 
 from __future__ import annotations
@@ -201,14 +202,14 @@ def compiled(modules: list[nn.Module]) -> Iterator[None]:
     elsewhere nothing changes. A module another thread has swapped is left to it."""
     swapped = []
     if mx.default_device() == mx.cpu:
-        swapped = [m for m in modules if type(m) in COMPILED_CLASSES]
-    for m in swapped:
-        m.__class__ = COMPILED_CLASSES[type(m)]
+        swapped = [(m, type(m)) for m in modules if type(m) in COMPILED_CLASSES]
+    for m, cls in swapped:
+        m.__class__ = COMPILED_CLASSES[cls]
     try:
         yield
     finally:
-        for m in swapped:
-            m.__class__ = m.__class__.__bases__[0]
+        for m, cls in swapped:
+            m.__class__ = cls
 
 
 @lru_cache(maxsize=8)
