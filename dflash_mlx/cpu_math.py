@@ -29,8 +29,7 @@ that calls them, for callers to swap in per instance while they build a graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import lru_cache
 from typing import Any
 
@@ -38,6 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
+
+from .swaps import swapped
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * _LN2_HI is exact
@@ -196,20 +197,11 @@ def compiled_modules(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for module in modules for m in module.modules() if type(m) in COMPILED_CLASSES]
 
 
-@contextmanager
-def compiled(modules: list[nn.Module]) -> Iterator[None]:
+def compiled(modules: list[nn.Module]) -> AbstractContextManager:
     """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled;
-    elsewhere nothing changes. A module another thread has swapped is left to it."""
-    swapped = []
-    if mx.default_device() == mx.cpu:
-        swapped = [(m, type(m)) for m in modules if type(m) in COMPILED_CLASSES]
-    for m, cls in swapped:
-        m.__class__ = COMPILED_CLASSES[cls]
-    try:
-        yield
-    finally:
-        for m, cls in swapped:
-            m.__class__ = cls
+    elsewhere nothing changes."""
+    on_cpu = mx.default_device() == mx.cpu
+    return swapped([(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu])
 
 
 @lru_cache(maxsize=8)

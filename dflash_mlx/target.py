@@ -67,6 +67,7 @@ from . import cpu_math
 from .kernels import cuda as cuda_kernels
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
+from .swaps import Swap, swapped
 
 TARGET_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -317,9 +318,7 @@ VERIFY_PATHS = {
 }
 
 
-def _verify_swaps(
-    layers: list[nn.Module | None], backend: str
-) -> list[tuple[nn.Module, type, type]]:
+def _verify_swaps(layers: list[nn.Module | None], backend: str) -> list[Swap]:
     """(module, its class, its class during a verify forward on `backend`) for the blocks'
     modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA), on the CPU
     the norms and RoPEs (compiled), on CUDA the plain linear layers and LM head
@@ -520,7 +519,7 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
-        self._verify_swaps: dict[str, list[tuple[nn.Module, type, type]]] = {}
+        self._verify_swaps: dict[str, list[Swap]] = {}
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
@@ -538,16 +537,9 @@ class TargetAdapter:
             norm = getattr(self.backbone, "norm", None)
             norm = norm if isinstance(norm, nn.Module) else None
             self._verify_swaps[backend] = _verify_swaps([*self.layers, norm, self.head], backend)
-        swaps = self._verify_swaps[backend]
-        hooked = [(m, cls, verify) for m, cls, verify in swaps if type(m) is cls]
-        with _HOOKING:  # graph building only: the classes are back before anything runs
-            for m, _, verify in hooked:
-                m.__class__ = verify
-            try:
-                return self.model(tokens[None], cache=cache)[0]
-            finally:
-                for m, cls, _ in hooked:
-                    m.__class__ = cls
+        # graph building only: the classes are back before anything runs
+        with _HOOKING, swapped(self._verify_swaps[backend]):
+            return self.model(tokens[None], cache=cache)[0]
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""

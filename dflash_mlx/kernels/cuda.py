@@ -28,14 +28,14 @@ they take.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..swaps import swapped
 from . import requested_backend
 
 THREADS = 256  # 8 warps per (query, head)
@@ -400,21 +400,11 @@ def plain_linears(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for module in modules for m in module.modules() if type(m) is nn.Linear]
 
 
-@contextmanager
-def few_rows_linears(linears: list[nn.Module]) -> Iterator[None]:
+def few_rows_linears(linears: list[nn.Module]) -> AbstractContextManager:
     """While a graph is built: `linears` (`plain_linears`) take the few-rows kernel where it
-    runs (`enabled`); elsewhere nothing changes. A module another thread has swapped
-    already is left to it: both classes compute alike."""
-    swapped = []
-    if enabled():
-        swapped = [m for m in linears if type(m) is nn.Linear and few_rows_class(m) is not None]
-    for m in swapped:
-        m.__class__ = FewRowsLinear
-    try:
-        yield
-    finally:
-        for m in swapped:
-            m.__class__ = nn.Linear
+    runs (`enabled`); elsewhere nothing changes."""
+    on = enabled()
+    return swapped([(m, nn.Linear, FewRowsLinear) for m in linears if on and few_rows_class(m)])
 
 
 @cache
