@@ -6,13 +6,16 @@ other in one process (each after a short warm-up), so a burst of load on this
 shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
 τ, a cycle's cost in mlx-lm decoding steps (τ / speedup), and the block sizes
 the adaptive policy chose. `--trees` adds tree verification at those budgets,
-`--adaptive-trees` trees of those largest budgets sized per cycle (`AdaptiveTree`).
+`--adaptive-trees` trees of those largest budgets sized per cycle (`AdaptiveTree`),
+`--trees-without-lookup` trees of those budgets without the prompt lookup's chain
+(`lookup.py`).
 
     python benchmarks/block_size.py                          # shipped SmolLM2 drafter
     python benchmarks/block_size.py --draft random           # a drafter that never helps
     python benchmarks/block_size.py --context 2048 --limit 2 # long prompts
     python benchmarks/block_size.py --sizes 16 --trees 4,8,16,32  # chain vs tree
     python benchmarks/block_size.py --sizes 16 --trees 4,8 --adaptive-trees 16
+    python benchmarks/block_size.py --sizes "" --trees 6,8 --trees-without-lookup 6,8,12
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def main() -> None:
         "--adaptive-trees", default="", help="largest budgets of trees sized per cycle, e.g. 16"
     )
     parser.add_argument(
+        "--trees-without-lookup", default="", help="tree budgets without the prompt lookup"
+    )
+    parser.add_argument(
         "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
     )
     parser.add_argument("--context", type=int, help="long prompts of about this many tokens")
@@ -69,7 +75,8 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",") if n]
     trees = [f"tree-{n}" for n in args.trees.split(",") if n]
     sized = [f"tree-{n}-adaptive" for n in args.adaptive_trees.split(",") if n]
-    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized]
+    bare = [f"tree-{n}-no-lookup" for n in args.trees_without_lookup.split(",") if n]
+    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized, *bare]
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
     adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
@@ -88,7 +95,10 @@ def main() -> None:
                 "block_policy": tree_policies[variant],
             }
         elif variant.startswith("tree-"):
-            setting = {"tree_budget": int(variant.removeprefix("tree-"))}
+            setting = {
+                "tree_budget": int(variant.split("-")[1]),
+                "prompt_lookup": not variant.endswith("-no-lookup"),
+            }
         else:
             setting = {"block_size": int(variant)}
         return lambda: stream_generate(model, draft, tokenizer, ids, max_tokens=n, **setting)

@@ -25,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree
 from .distributed import world_group
 from .draft import DFlashDraft
+from .lookup import ContextLookup
 from .rollback import keep_path, trim_caches
 from .sampling import LogitsProcessor, Sampler, Verdict, Verifier, make_verifier
 from .target import RestrictedHead, TargetAdapter
@@ -33,12 +34,26 @@ from .tree import (
     ancestor_mask,
     build_selector_tree,
     build_tree,
+    graft,
     ranked_edges,
     top_candidates,
     walk,
 )
 
 PREFILL_STEP = 2048
+
+
+@dataclass
+class PendingTree:
+    """A tree cycle's queued verify forward: the tree, the cache offset it starts at, the
+    target's logits, its choices (None with logits processors: those are made during the
+    walk) and the prompt lookup's chain tokens' nodes (`tree.graft`)."""
+
+    tree: Tree
+    start: int
+    logits: mx.array
+    choices: mx.array | None
+    chain: list[int]
 
 
 @dataclass
@@ -174,6 +189,7 @@ def stream_generate(
     logits_processors: list[LogitsProcessor] | None = None,
     tree_budget: int | None = None,
     block_policy: AdaptiveBlock | AdaptiveTree | None = None,
+    prompt_lookup: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -213,7 +229,9 @@ def stream_generate(
     logits processors see each node's own path. With `adaptive` the budget is
     the largest tree: each cycle verifies the first b nodes that maximise the
     expected tokens per second, from the drafter's confidence in that cycle's
-    nodes and the cycle times measured so far (`AdaptiveTree`).
+    nodes and the cycle times measured so far (`AdaptiveTree`). `prompt_lookup`
+    grafts onto each tree what followed the last token where it occurred before
+    in the prompt or the reply (`lookup.py`), within the budget.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -283,6 +301,7 @@ def stream_generate(
         max_tokens,
         verifier,
         tree_budget,
+        prompt_lookup,
     )
 
 
@@ -319,6 +338,7 @@ def _speculate(
     max_tokens: int,
     verifier: Verifier,
     tree_budget: int | None = None,
+    prompt_lookup: bool = True,
 ) -> Iterator[GenerationResponse]:
     model, cfg = target.model, draft.config if draft else None
     cache, draft_cache = prompt_cache.target, prompt_cache.draft
@@ -332,6 +352,7 @@ def _speculate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     capture = target.capture(cfg.target_layer_ids, cache) if cfg else nullcontext({})
+    lookup = ContextLookup(prompt) if tree_budget and prompt_lookup else None
 
     with capture as captured, wired_limit(model):
 
@@ -363,13 +384,13 @@ def _speculate(
         # The tree cycle (`tree_budget`): draft, build the tree, verify all its nodes at once;
         # then walk the target's choices and keep the accepted path in the caches.
 
-        def launch_tree(last: int, n: int) -> tuple[Tree, int, mx.array, mx.array | None]:
-            """(the tree, the cache offset it starts at, the target's logits, its choices
-            or, with logits processors, None: those are made during the walk).
+        def launch_tree(last: int, n: int) -> PendingTree:
+            """The tree's verify forward, queued, and what its walk needs (`PendingTree`).
 
-            A tree is at most `tree_budget` deep: the drafter drafts no further. The policy,
-            if any, keeps its first nodes only."""
-            tree, n = Tree([last], [-1], [0]), min(n, tree_budget + 1)
+            A tree is at most `tree_budget` deep: the drafter drafts no further. The prompt
+            lookup's chain (`lookup.py`) is grafted on; the policy, if any, keeps the tree's
+            first nodes only."""
+            tree, n, chain = Tree([last], [-1], [0]), min(n, tree_budget + 1), []
             if n > 1:
                 block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
                 if "candidate_selector" in draft:  # DFlash 2: scored as its selector walks
@@ -381,8 +402,11 @@ def _speculate(
                     logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
                     candidates = top_candidates(logits, tree_budget, tree_vocab)
                     tree = build_tree(last, *candidates, tree_budget)
+                if lookup:
+                    tree, chain = graft(tree, *lookup.proposal(n - 1), tree_budget)
                 if policy:
                     tree = tree.first(policy.budget(tree.probabilities()) + 1)
+                    chain = [node if node < len(tree) else -1 for node in chain]
             start = cache[0].offset
             with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
                 logits = target.forward(mx.array(tree.tokens), cache)
@@ -392,12 +416,11 @@ def _speculate(
             # Logits processors see each node's own path: its choice is made during the walk.
             choices = None if verifier.processors else verifier.propose(logits)[0]
             mx.async_eval(logits if choices is None else choices)
-            return tree, start, logits, choices
+            return PendingTree(tree, start, logits, choices, chain)
 
-        def settle_tree(
-            tree: Tree, start: int, logits: mx.array, choices: mx.array | None
-        ) -> tuple[list[int], mx.array, int, int]:
+        def settle_tree(pending: PendingTree) -> tuple[list[int], mx.array, int, int]:
             """Commit the accepted path: (tokens, their logits, accepted, proposed)."""
+            tree, logits = pending.tree, pending.logits
             processed: dict[int, mx.array] = {}
 
             def choose_processed(node: int) -> int:
@@ -406,6 +429,7 @@ def _speculate(
                 processed[node] = row
                 return verifier.propose(row)[0].item()
 
+            choices = pending.choices
             path, after = walk(
                 tree, choose_processed if choices is None else choices.tolist().__getitem__
             )
@@ -413,7 +437,9 @@ def _speculate(
                 logits = mx.concatenate([processed[node] for node in path])
             else:
                 logits = logits[mx.array(path)]
-            keep_path(cache, start, path)
+            if lookup:
+                lookup.record(pending.chain, path)
+            keep_path(cache, pending.start, path)
             append_context(path)
             tokens = [tree.tokens[node] for node in path]
             prompt_cache.tokens.extend(tokens)
@@ -451,6 +477,8 @@ def _speculate(
             if finish and queued:  # queued on the token that ended the reply: drop its work
                 target.rollback(cache, queued[0])
             elif not finish and tree_budget:
+                if lookup:
+                    lookup.extend(committed)
                 n = block_size if not policy or policy.draft_next() else 1
                 pending_tree = launch_tree(committed[-1], min(n, max_tokens - generated))
             elif queued:
@@ -479,10 +507,10 @@ def _speculate(
             if finish:
                 return
             if tree_budget:
-                committed, committed_logits, accepted, proposed = settle_tree(*pending_tree)
+                committed, committed_logits, accepted, proposed = settle_tree(pending_tree)
                 if policy:
                     policy.record(
-                        pending_tree[0].probabilities(), accepted, time.perf_counter() - synced
+                        pending_tree.tree.probabilities(), accepted, time.perf_counter() - synced
                     )
                 synced = time.perf_counter()
                 continue

@@ -198,6 +198,46 @@ def build_selector_tree(
     return search_tree(root, candidates, lambda t, c: (successors[t][c], logprobs[t][c]), budget)
 
 
+def graft(
+    tree: Tree, chain: list[int], logprobs: list[float], budget: int
+) -> tuple[Tree, list[int]]:
+    """The tree with `chain` added as a path from the root, cut to its `budget` best nodes.
+
+    `chain` holds tokens for positions 1, 2, ... after the root, `logprobs` each one's
+    log-probability given the one before (`lookup.ContextLookup.proposal`). Where the chain
+    meets a node of the tree, that node keeps the better score and the chain goes on below
+    it. Scores still fall along every path, so the best nodes, best first, are a tree again.
+    Also returns each chain token's node in the new tree (-1 where the cut dropped it).
+    """
+    tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
+    scores, children = list(tree.logprobs), tree.children()
+    nodes, node = [], 0
+    for token, logprob in zip(chain, logprobs):
+        score, child = scores[node] + logprob, children[node].get(token)
+        if child is None:
+            child = len(tokens)
+            children[node][token] = child
+            children.append({})
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            scores.append(score)
+        else:
+            scores[child] = max(scores[child], score)
+        nodes.append(child)
+        node = child
+    best = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[:budget]
+    order = [0, *best]
+    new = {old: index for index, old in enumerate(order)}
+    grafted = Tree(
+        [tokens[n] for n in order],
+        [new[parents[n]] if n else -1 for n in order],
+        [depths[n] for n in order],
+        [scores[n] for n in order],
+    )
+    return grafted, [new.get(n, -1) for n in nodes]
+
+
 def ancestor_mask(parents: list[int]) -> mx.array:
     """(n, n) bool: entry (i, j) is True when node j is node i or one of its ancestors."""
     rows: list[list[bool]] = []

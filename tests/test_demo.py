@@ -6,9 +6,12 @@ import argparse
 import json
 
 import pytest
+from test_families import build
 
 from dflash_mlx import demo, load, load_draft, stream_generate
+from dflash_mlx.adaptive import AdaptiveBlock
 from dflash_mlx.bench import render
+from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.draft import DFlashConfig
 from dflash_mlx.gguf import smollm2_model_dir
 
@@ -31,6 +34,25 @@ def test_demo_streams_a_reply_and_compares_with_mlx_lm(make_pair, capsys):
     assert any(line.startswith("DFlash :") and "tau" in line for line in lines)
     assert any(line.startswith("mlx-lm :") and "output identical" in line for line in lines)
     assert lines[-1].startswith("speedup: ") and lines[-1].endswith("x")
+
+
+def test_demo_verifies_trees_by_default_and_the_chain_on_request(make_pair, capsys):
+    target, draft = make_pair("llama-tied-gqa")
+    for budget, shape in ((demo.DEMO_TREE_BUDGET, "(trees of 6)"), (0, "(chain)")):
+        demo.run(demo_args(model=target, draft=str(draft), max_tokens=24, tree_budget=budget))
+        lines = capsys.readouterr().out.splitlines()
+        assert any(line.startswith("DFlash :") and line.endswith(shape) for line in lines)
+        assert any("output identical" in line for line in lines)
+    with pytest.raises(ValueError, match="--tree-budget must be 0"):
+        demo.run(demo_args(model=target, draft=str(draft), tree_budget=-1))
+
+
+def test_demo_runs_the_chain_for_a_target_that_cannot_verify_trees(capsys):
+    model = build("qwen3_5")  # recurrent layers
+    setting = demo.verify_setting(model, init_draft(model, num_layers=1, block_size=4), 6)
+    assert isinstance(setting["block_policy"], AdaptiveBlock) and "tree_budget" not in setting
+    note = capsys.readouterr().out
+    assert note.startswith("note: tree verification does not support") and "chain" in note
 
 
 def test_demo_without_baseline(make_pair, capsys):
