@@ -267,6 +267,15 @@ class Worker:
         self.pending = 0  # generations queued or running
         self._pending_lock = threading.Lock()
 
+    def close(self) -> None:
+        """Let the worker threads go, after the jobs they have. Each first frees the MLX
+        streams and compiled graphs it made: left to the thread's exit during interpreter
+        shutdown, MLX 0.32 frees them holding the GIL, which aborts the process
+        ("terminate called without an active exception")."""
+        for executor in (self.executor, self.tokenizing):
+            executor.submit(mx.clear_streams).result()
+            executor.shutdown()
+
     async def prepare(self, render: Callable[[], str | list[int]]) -> list[int]:
         """Token ids of the prompt `render` gives (e.g. a chat template), off the event loop."""
 
@@ -412,6 +421,7 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
         if worker.lockstep.group is not None:  # shutting down: after the last job, the end
             done = worker.executor.submit(worker.lockstep.send, None)
             await asyncio.wrap_future(done)
+        await asyncio.get_running_loop().run_in_executor(None, worker.close)
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan)
     created = int(time.time())
