@@ -8,7 +8,9 @@ target forward over prompt + reply for the drafter's context features, and one
 drafter forward from every reply position (the anchor: the last committed
 token), as decoding would run it there. From each anchor's top candidates it
 builds the tree of every budget 0..`--max-budget` (`tree.build_tree`) and walks
-it against the greedy reply: the accepted length of that tree at that anchor.
+it against the greedy reply: the accepted length of that tree at that anchor. These are the
+drafter's trees alone: the prompt lookup's chain that decoding grafts on (`lookup.py`) is not
+modelled here (benchmarks/README.md, "Prompt lookup in trees", has its offline figures).
 
 Then, along decoding's walk (a cycle that accepts L drafts moves the anchor
 L + 1 tokens on):
