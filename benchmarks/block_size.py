@@ -8,7 +8,8 @@ shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
 the adaptive policy chose. `--trees` adds tree verification at those budgets,
 `--adaptive-trees` trees of those largest budgets sized per cycle (`AdaptiveTree`),
 `--trees-without-lookup` trees of those budgets without the prompt lookup's chain
-(`lookup.py`).
+(`lookup.py`), `--lookup-only` no drafter: plain decoding through the loop and the prompt
+lookup's chain alone up to those depths.
 
     python benchmarks/block_size.py                          # shipped SmolLM2 drafter
     python benchmarks/block_size.py --draft random           # a drafter that never helps
@@ -16,6 +17,7 @@ the adaptive policy chose. `--trees` adds tree verification at those budgets,
     python benchmarks/block_size.py --sizes 16 --trees 4,8,16,32  # chain vs tree
     python benchmarks/block_size.py --sizes 16 --trees 4,8 --adaptive-trees 16
     python benchmarks/block_size.py --sizes "" --trees 6,8 --trees-without-lookup 6,8,12
+    python benchmarks/block_size.py --sizes "" --trees 6 --lookup-only 4,8
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def main() -> None:
         "--trees-without-lookup", default="", help="tree budgets without the prompt lookup"
     )
     parser.add_argument(
+        "--lookup-only",
+        default="",
+        help="without a drafter: the prompt lookup's chain up to these depths (and plain decoding)",
+    )
+    parser.add_argument(
         "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
     )
     parser.add_argument("--context", type=int, help="long prompts of about this many tokens")
@@ -76,7 +83,9 @@ def main() -> None:
     trees = [f"tree-{n}" for n in args.trees.split(",") if n]
     sized = [f"tree-{n}-adaptive" for n in args.adaptive_trees.split(",") if n]
     bare = [f"tree-{n}-no-lookup" for n in args.trees_without_lookup.split(",") if n]
+    alone = [f"lookup-{n}" for n in args.lookup_only.split(",") if n]
     variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized, *bare]
+    variants += ["no-draft", *alone] if alone else []
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
     adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
@@ -85,6 +94,13 @@ def main() -> None:
     def generate(variant: str, ids: list[int], n: int):
         if variant == "mlx-lm":
             return lambda: mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
+        if variant == "no-draft":
+            return lambda: stream_generate(model, None, tokenizer, ids, max_tokens=n)
+        if variant.startswith("lookup-"):
+            depth = int(variant.removeprefix("lookup-"))
+            return lambda: stream_generate(
+                model, None, tokenizer, ids, max_tokens=n, tree_budget=depth
+            )
         if variant == "adaptive":
             setting = adapting
         elif variant in tree_policies:

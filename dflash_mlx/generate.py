@@ -231,7 +231,9 @@ def stream_generate(
     expected tokens per second, from the drafter's confidence in that cycle's
     nodes and the cycle times measured so far (`AdaptiveTree`). `prompt_lookup`
     grafts onto each tree what followed the last token where it occurred before
-    in the prompt or the reply (`lookup.py`), within the budget.
+    in the prompt or the reply (`lookup.py`), within the budget; without a drafter
+    (`draft=None`), `tree_budget` verifies that chain alone, up to that deep
+    (prompt lookup decoding).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -241,8 +243,8 @@ def stream_generate(
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
     if tree_budget is not None and tree_budget < 1:
         raise ValueError(f"tree_budget must be at least 1, got {tree_budget}")
-    if tree_budget and draft is None:
-        raise ValueError("tree verification needs a drafter")
+    if tree_budget and draft is None and not prompt_lookup:
+        raise ValueError("tree verification needs a drafter or the prompt lookup")
     timed = clock_may_choose(temperature, sampler)
     if adaptive is None:
         adaptive = block_size is None and not tree_budget
@@ -252,6 +254,8 @@ def stream_generate(
         block_size = draft.config.block_size if draft else 1
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
+    if tree_budget and draft is None:
+        block_size = tree_budget + 1  # the prompt lookup's chain alone, as deep as the budget
     target = TargetAdapter(model)
     if draft is not None:
         check_compatible(target, draft)
@@ -384,24 +388,27 @@ def _speculate(
         # The tree cycle (`tree_budget`): draft, build the tree, verify all its nodes at once;
         # then walk the target's choices and keep the accepted path in the caches.
 
+        def drafted_tree(last: int, n: int) -> Tree:
+            """The drafter's tree of up to `tree_budget` nodes after `last`, n - 1 deep."""
+            block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
+            if "candidate_selector" in draft:  # DFlash 2: scored as its selector walks
+                parts = block, target.embed_tokens, draft_head, draft_cache
+                return build_selector_tree(
+                    last, *ranked_edges(*draft.selector_edges(*parts)), tree_budget
+                )
+            logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
+            return build_tree(last, *top_candidates(logits, tree_budget, tree_vocab), tree_budget)
+
         def launch_tree(last: int, n: int) -> PendingTree:
             """The tree's verify forward, queued, and what its walk needs (`PendingTree`).
 
             A tree is at most `tree_budget` deep: the drafter drafts no further. The prompt
-            lookup's chain (`lookup.py`) is grafted on; the policy, if any, keeps the tree's
-            first nodes only."""
+            lookup's chain (`lookup.py`) is grafted on (without a drafter, it is the tree); the
+            policy, if any, keeps the tree's first nodes only."""
             tree, n, chain = Tree([last], [-1], [0]), min(n, tree_budget + 1), []
             if n > 1:
-                block = mx.concatenate([mx.array([last]), mx.full((n - 1,), cfg.mask_token_id)])
-                if "candidate_selector" in draft:  # DFlash 2: scored as its selector walks
-                    parts = block, target.embed_tokens, draft_head, draft_cache
-                    tree = build_selector_tree(
-                        last, *ranked_edges(*draft.selector_edges(*parts)), tree_budget
-                    )
-                else:
-                    logits = draft.draft_logits(block, target.embed_tokens, tree_head, draft_cache)
-                    candidates = top_candidates(logits, tree_budget, tree_vocab)
-                    tree = build_tree(last, *candidates, tree_budget)
+                if draft is not None:
+                    tree = drafted_tree(last, n)
                 if lookup:
                     tree, chain = graft(tree, *lookup.proposal(n - 1), tree_budget)
                 if policy:

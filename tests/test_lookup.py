@@ -173,3 +173,7 @@ def test_tree_accepts_what_the_lookup_predicts_and_equals_mlx_lm(tokenizer):
     )
     assert bare == reply
     assert all(r.accepted == 0 for r in responses)
+    # no drafter at all: the lookup's chain is the tree (prompt lookup decoding), 15 deep
+    alone, responses = run(model, None, tokenizer, prompt, max_tokens=120, tree_budget=15)
+    assert alone == reply
+    assert [r.accepted for r in responses[1:]] == predicted

@@ -332,8 +332,8 @@ def test_bad_tree_settings_are_refused(loaded):
     prompt = prompt_of(9, seed=4)
     with pytest.raises(ValueError, match="tree_budget must be at least 1"):
         next(stream_generate(model, draft, tokenizer, prompt, tree_budget=0))
-    with pytest.raises(ValueError, match="tree verification needs a drafter"):
-        next(stream_generate(model, None, tokenizer, prompt, tree_budget=4))
+    with pytest.raises(ValueError, match="tree verification needs a drafter or the prompt"):
+        next(stream_generate(model, None, tokenizer, prompt, tree_budget=4, prompt_lookup=False))
     with pytest.raises(ValueError, match="made for tree budget 8, not tree budget 4"):
         next(
             stream_generate(
@@ -416,6 +416,9 @@ def test_cli_tree_budget_equals_greedy(make_pair, loaded):
     )
     assert sized.returncode == 0, sized.stderr
     assert json.loads(sized.stdout)["text"] == text
+    lookup = dflash(f"generate --model {target} --no-draft --json -m 24 --tree-budget 4", "Hi")
+    assert lookup.returncode == 0, lookup.stderr  # prompt lookup decoding, no drafter
+    assert json.loads(lookup.stdout)["text"] == text
 
 
 def test_sliding_window_target_keeps_a_prompt_cache_across_tree_turns(family, tokenizer):
