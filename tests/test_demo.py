@@ -36,15 +36,18 @@ def test_demo_streams_a_reply_and_compares_with_mlx_lm(make_pair, capsys):
     assert lines[-1].startswith("speedup: ") and lines[-1].endswith("x")
 
 
-def test_demo_verifies_trees_by_default_and_the_chain_on_request(make_pair, capsys):
+def test_demo_verifies_trees_or_the_chain(make_pair, capsys):
     target, draft = make_pair("llama-tied-gqa")
-    for budget, shape in ((demo.DEMO_TREE_BUDGET, "(trees of 6)"), (0, "(chain)")):
+    for budget, shape in ((6, "(trees of 6)"), (0, "(chain)"), (None, "(chain)")):
         demo.run(demo_args(model=target, draft=str(draft), max_tokens=24, tree_budget=budget))
         lines = capsys.readouterr().out.splitlines()
         assert any(line.startswith("DFlash :") and line.endswith(shape) for line in lines)
         assert any("output identical" in line for line in lines)
     with pytest.raises(ValueError, match="--tree-budget must be 0"):
         demo.run(demo_args(model=target, draft=str(draft), tree_budget=-1))
+    # trees of 6 by default with the shipped drafter only (any other: the chain)
+    assert demo.default_tree_budget(str(demo.SHIPPED_DRAFTER)) == demo.DEMO_TREE_BUDGET == 6
+    assert demo.default_tree_budget(draft) == 0
 
 
 def test_demo_runs_the_chain_for_a_target_that_cannot_verify_trees(capsys):
