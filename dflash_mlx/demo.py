@@ -23,7 +23,7 @@ from .adaptive import AdaptiveBlock
 from .bench import measure, throughput
 from .chat_format import render
 from .checkpoint import load_draft
-from .generate import GenerationResponse, make_prompt_cache, stream_generate
+from .generate import GenerationResponse, stream_generate
 from .target import TargetAdapter, load
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
@@ -60,7 +60,8 @@ def verify_setting(model, draft, tree_budget: int) -> dict:
     chain where it is 0 or the target cannot verify trees (said in one line)."""
     if tree_budget:
         try:
-            TargetAdapter(model).check_tree(make_prompt_cache(model, draft).target)
+            target = TargetAdapter(model)
+            target.check_tree(target.make_cache())
             return {"tree_budget": tree_budget}
         except ValueError as exc:
             print(f"note: {exc}; the demo runs the chain")
