@@ -23,13 +23,17 @@ MLX's CPU backend has no fused RMSNorm or RoPE: `mx.fast.rms_norm` and
 every op costing ~1-3.4 µs beyond its arithmetic. Compiled once per shape (the offset
 an array, so one trace serves every position), they fuse into a few loops: a forward
 over 1-16 positions got 3.3-6 ms cheaper (benchmarks/README.md, "Compiled norms and
-RoPE"), with the same bits. `COMPILED_CLASSES` gives norm and RoPE modules a class
-that calls them, for callers to swap in per instance while they build a graph.
+RoPE"), with the same bits. The RoPEs of one forward (60 in SmolLM2) share one table of
+cosines and sines (`shared_rope_tables`): 5 ops each instead of 13. `COMPILED_CLASSES`
+gives norm and RoPE modules a class that calls them, for callers to swap in per instance
+while they build a graph.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -139,6 +143,63 @@ def _rope(x, offset, dims, traditional, base, scale, freqs):
     )
 
 
+@lru_cache(maxsize=16)
+def _unit_pairs(dims: int, traditional: bool) -> np.ndarray:
+    """Rotation pairs (1, 0): mx.fast.rope turns them into its own cosines (first of
+    each pair) and sines (second), bit for bit."""
+    pairs = np.zeros((dims // 2, 2) if traditional else (2, dims // 2), dtype=np.float32)
+    pairs[(slice(None), 0) if traditional else 0] = 1.0
+    return pairs.reshape(dims)
+
+
+@mx.compile
+def _rotate(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x1 * sin + x2 * cos  # mx.fast.rope's fallback, forward
+
+
+_tables = threading.local()
+
+
+@contextmanager
+def shared_rope_tables() -> Iterator[None]:
+    """While a forward's graph is built on this thread, its RoPEs at one offset over one
+    length share one table of cosines and sines: a SmolLM2 forward has 60 RoPEs at the
+    same positions, each ~8 ops of table of its own otherwise."""
+    outer = getattr(_tables, "memo", None)
+    _tables.memo = {}
+    try:
+        yield
+    finally:
+        _tables.memo = outer
+
+
+def _rope_table(
+    x: mx.array, dims: int, traditional: bool, base, scale, offset: int | mx.array, freqs
+) -> tuple[mx.array, mx.array]:
+    """(cos, sin), (rows, 1, T, dims / 2): what mx.fast.rope rotates the 4-d `x` by,
+    shared within `shared_rope_tables`. The memo holds each key's offset and freqs, so
+    no id in its keys can be reused while it lives."""
+    position = offset if isinstance(offset, int) else id(offset)
+    rows = offset.size if isinstance(offset, mx.array) and offset.size > 1 else 1
+    key = (position, id(freqs), x.shape[-2], rows, dims, traditional, base, scale, x.dtype)
+    memo = getattr(_tables, "memo", None)
+    if memo is not None and key in memo:
+        return memo[key][2:]
+    if not isinstance(offset, mx.array):  # one trace serves every position
+        offset = mx.array(offset, dtype=mx.int32)
+    unit = mx.array(_unit_pairs(dims, traditional)).astype(x.dtype)
+    unit = mx.broadcast_to(unit, (rows, 1, x.shape[-2], dims))
+    table = _rope(unit, offset, dims, traditional, base, scale, freqs)
+    half = dims // 2
+    if traditional:
+        cos, sin = table[..., 0::2], table[..., 1::2]
+    else:
+        cos, sin = table[..., :half], table[..., half:]
+    if memo is not None:
+        memo[key] = (offset, freqs, cos, sin)
+    return cos, sin
+
+
 def rope(
     x: mx.array,
     dims: int,
@@ -149,11 +210,23 @@ def rope(
     offset: int | mx.array,
     freqs: mx.array | None = None,
 ) -> mx.array:
-    """`mx.fast.rope`, compiled: one trace per shape serves every offset (an int becomes an
-    array; an array of one offset per batch row is a shape of its own)."""
-    if not isinstance(offset, mx.array):
-        offset = mx.array(offset, dtype=mx.int32)
-    return _rope(x, offset, dims, traditional, base, scale, freqs)
+    """`mx.fast.rope` with its bits, from a table of cosines and sines compiled once per
+    shape (an int offset becomes an array, so one trace serves every position) and shared
+    by a forward's RoPEs (`shared_rope_tables`)."""
+    shape = x.shape
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.ndim > 4:
+        x = x.reshape(shape[0], -1, *shape[-2:])
+    cos, sin = _rope_table(x, dims, traditional, base, scale, offset, freqs)
+    if traditional:
+        pairs = mx.stack(_rotate(x[..., 0:dims:2], x[..., 1:dims:2], cos, sin), axis=-1)
+        parts = [pairs.reshape(*x.shape[:-1], dims)]
+    else:
+        parts = list(_rotate(x[..., : dims // 2], x[..., dims // 2 : dims], cos, sin))
+    if dims < shape[-1]:
+        parts.append(x[..., dims:])
+    return mx.concatenate(parts, axis=-1).reshape(shape)
 
 
 def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
@@ -197,11 +270,14 @@ def compiled_modules(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for module in modules for m in module.modules() if type(m) in COMPILED_CLASSES]
 
 
-def compiled(modules: list[nn.Module]) -> AbstractContextManager:
-    """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled;
-    elsewhere nothing changes."""
+@contextmanager
+def compiled(modules: list[nn.Module]) -> Iterator[None]:
+    """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled, their
+    RoPEs sharing tables; elsewhere nothing changes."""
     on_cpu = mx.default_device() == mx.cpu
-    return swapped([(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu])
+    with swapped([(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu]):
+        with shared_rope_tables():
+            yield
 
 
 @lru_cache(maxsize=8)

@@ -26,7 +26,7 @@ the SwiGLUs' and softmaxes' exps are a large part of the forward ("cpu_math" in
 benchmarks/README.md). On the CPU the RMSNorm and RoPE modules (MLX's and mlx-lm's
 plain ones) also change class for every forward through `forward`, one position
 included, to run `cpu_math`'s compiled RMSNorm and RoPE: mlx-lm's bits from fewer
-ops (a SmolLM2 forward at one position: 2,563 against 4,071; "Compiled norms and
+ops (a SmolLM2 forward at one position: 2,158 against 4,071; "Compiled norms and
 RoPE" in benchmarks/README.md). On MLX's CUDA backend the same rebinding gives the
 attention modules the verify-attention kernel (`kernels/cuda.py`): MLX sends 4 or
 more bf16/fp16 queries to cuDNN, whose graphs are cached by shape while every cycle
@@ -538,7 +538,7 @@ class TargetAdapter:
             norm = norm if isinstance(norm, nn.Module) else None
             self._verify_swaps[backend] = _verify_swaps([*self.layers, norm, self.head], backend)
         # graph building only: the classes are back before anything runs
-        with _HOOKING, swapped(self._verify_swaps[backend]):
+        with _HOOKING, swapped(self._verify_swaps[backend]), cpu_math.shared_rope_tables():
             return self.model(tokens[None], cache=cache)[0]
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:

@@ -153,6 +153,24 @@ def test_compiled_rms_norm_and_rope_are_mlx_fast_bit_for_bit(shape):
             assert mx.array_equal(ours, mx.fast.rope(x, shape[-1], **args))
 
 
+def test_ropes_in_one_forward_share_a_table_per_position_and_length(tmp_path):
+    mx.random.seed(8)
+    x, y = mx.random.normal((1, 3, 5, 64)), mx.random.normal((1, 2, 5, 64))
+    nodes = mx.array([9, 10, 10, 11, 12])  # a tree's positions: a table of their own
+    calls = [(x, 7), (y, 7), (x, 8), (x[:, :, :2], 7), (x.swapaxes(0, -2), nodes)]
+    with cpu_math.shared_rope_tables():
+        outs = [
+            cpu_math.rope(a, 64, traditional=False, base=1e4, scale=1.0, offset=o) for a, o in calls
+        ]
+        tables = len(cpu_math._tables.memo)
+    assert tables == 4  # x and y at 7 share one; offset 8, length 2 and the nodes differ
+    mx.export_to_dot(str(tmp_path / "ropes.dot"), *outs)
+    assert open(tmp_path / "ropes.dot").read().count('label ="Cos"') == 4
+    for (a, o), out in zip(calls, outs):
+        theirs = mx.fast.rope(a, 64, traditional=False, base=1e4, scale=1.0, offset=o)
+        assert mx.array_equal(out, theirs)
+
+
 def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():
     mx.random.seed(5)
     x = mx.random.normal((3, 49152)) * 8
