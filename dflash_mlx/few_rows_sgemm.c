@@ -7,11 +7,14 @@
  * 0.14 ms (SmolLM2's shapes, the weights streamed from memory; benchmarks/blas_matmul.py).
  * Here every output is a dot product of a row of the small operand with a row of the large one,
  * read where they lie: W is streamed once, each of its rows used for all the few rows while it
- * is in cache, over OpenMP threads. Every other call goes to the BLAS it was bound over
- * (`dflash_set_fallback`), as do transposed-left, column-major and K = 0 calls.
+ * is in cache, over OpenMP threads. With AVX-512, from 5 rows on, the few rows are first packed
+ * as columns so that no dot product needs a sum across lanes (`column_dots`). Every other call
+ * goes to the BLAS it was bound over (`dflash_set_fallback`), as do transposed-left,
+ * column-major and K = 0 calls.
  * Built and loaded by blas.py. Sums are in a different order than OpenBLAS's (float32 results
  * agree to ~1e-7 relative).
  */
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -88,14 +91,88 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
     }
 }
 
-/* Every row of `small` (S <= MAX_ROWS rows) dotted with every row of `big` (B rows), K long. */
-static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
-                 float alpha, float beta, float *out, long si, long sj) {
-  int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width;
-  long threads = (long)B * K / 65536; /* a thread per 256 KB of `big`, up to OpenMP's count */
+/* A thread per 256 KB of the large operand (B rows of K), up to OpenMP's count. */
+static int thread_count(int B, int K) {
+  long threads = (long)B * K / 65536;
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
 #endif
+  return (int)threads;
+}
+
+#if LANES == 16
+/* From 5 rows of the small operand on (a verify forward's, a tree's), AVX-512 only: no sums
+ * across lanes. The few rows are packed as columns, `packed[G * k + g]` holding element k of
+ * rows 16g.. in its lanes (zeros past the last row), and each element of BJ rows of big,
+ * broadcast, multiplies its column: one multiply-add per element of big, at ~80 % of peak
+ * where the dot products above reach ~55 %. Two sets of accumulators keep 2 * BJ
+ * multiply-adds in flight: with one vector of rows (G = 1) even and odd k, with two, one each.
+ * A 16-row verify forward's products got ~40 % cheaper (benchmarks/README.md). */
+#define BJ 8
+
+static inline __attribute__((always_inline)) void columns(int G, int J, int K, const vec *packed,
+                                                          const float *big, int ldb,
+                                                          vec acc[2][BJ], const float *next) {
+  const float *row[BJ];
+  for (int j = 0; j < BJ; j++) {
+    acc[0][j] = acc[1][j] = (vec){0};
+    row[j] = big + (long)(j < J ? j : 0) * ldb;
+  }
+  int step = G == 1 ? 2 : 1, k = 0;
+  for (; k + step <= K; k += step) {
+    vec a = packed[G * k], b = packed[G * k + 1];
+    if (next && (k & 15) < step)
+      for (int j = 0; j < J; j++) __builtin_prefetch(next + (long)j * ldb + k, 0, 0);
+    for (int j = 0; j < J; j++) acc[0][j] += row[j][k] * a;
+    for (int j = 0; j < J; j++) acc[1][j] += row[j][k + step - 1] * b;
+  }
+  for (; k < K; k++) /* the last of an odd K, G = 1 */
+    for (int j = 0; j < J; j++) acc[0][j] += row[j][k] * packed[k];
+}
+
+/* Every row of `small` (5 <= S <= 32) dotted with every row of `big` (B rows), K long; false
+ * where the packed copy could not be allocated. */
+static int column_dots(int S, int B, int K, const float *small, int lds, const float *big,
+                       int ldb, float alpha, float beta, float *out, long si, long sj) {
+  int G = S > LANES ? 2 : 1;
+  vec *packed = aligned_alloc(64, (size_t)K * G * sizeof(vec));
+  if (!packed) return 0;
+  memset(packed, 0, (size_t)K * G * sizeof(vec));
+  float *lanes = (float *)packed;
+  for (int i = 0; i < S; i++)
+    for (int k = 0; k < K; k++)
+      lanes[((long)G * k + i / LANES) * LANES + i % LANES] = small[(long)i * lds + k];
+  int tiles = (B + BJ - 1) / BJ, threads = thread_count(B, K);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int t = 0; t < tiles; t++) {
+    int j0 = BJ * t, J = B - j0 < BJ ? B - j0 : BJ;
+    const float *b = big + (long)j0 * ldb, *next = t + 1 < tiles ? b + (long)BJ * ldb : 0;
+    vec acc[2][BJ];
+    if (J == BJ && G == 1)
+      columns(1, BJ, K, packed, b, ldb, acc, next);
+    else if (J == BJ)
+      columns(2, BJ, K, packed, b, ldb, acc, next);
+    else
+      columns(G, J, K, packed, b, ldb, acc, 0);
+    for (int j = 0; j < J; j++)
+      for (int i = 0; i < S; i++) {
+        float s = G == 1 ? acc[0][j][i] + acc[1][j][i] : acc[i / LANES][j][i % LANES];
+        float *o = out + i * si + (j0 + j) * sj;
+        *o = beta == 0.0f ? alpha * s : alpha * s + beta * *o;
+      }
+  }
+  free(packed);
+  return 1;
+}
+#endif
+
+/* Every row of `small` (S <= MAX_ROWS rows) dotted with every row of `big` (B rows), K long. */
+static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
+                 float alpha, float beta, float *out, long si, long sj) {
+#if LANES == 16
+  if (S >= 5 && column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj)) return;
+#endif
+  int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width, threads = thread_count(B, K);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int j = width * t, J = B - j < width ? B - j : width;

@@ -33,11 +33,12 @@ def test_the_kernel_is_what_mlx_calls():
     assert "few-row kernel in front" in blas.active_blas()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 32, 33])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (37, 100), (300, 7)])
 def test_products_with_few_rows_match_float64(rows, shape):
     """Both ways round (few rows of x against W's rows, and W against few rows), odd K and N
-    (lane and tile remainders), 32 vs 33 rows (the kernel's limit): float64's result."""
+    (lane and tile remainders), 1-4 rows (dot products), 5-16 and 17-32 (one or two packed
+    vectors on AVX-512), 33 rows (past the kernel's limit): float64's result."""
     rng = np.random.default_rng(rows * 1000 + shape[1])
     w = rng.standard_normal(shape).astype(np.float32)
     x = rng.standard_normal((rows, shape[1])).astype(np.float32)
@@ -50,12 +51,13 @@ def test_scaled_accumulating_batched_and_strided_products():
     """addmm's alpha and beta (C is read only when beta is not 0), a batch of products
     (attention's scores: few queries against many keys per head), a sliced operand."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((3, 200)).astype(np.float32)
-    b = rng.standard_normal((500, 200)).astype(np.float32)
-    c = rng.standard_normal((3, 500)).astype(np.float32)
-    want = 0.5 * (a.astype(np.float64) @ b.T) + 2.0 * c
-    got = mx.addmm(mx.array(c), mx.array(a), mx.array(b).T, alpha=0.5, beta=2.0)
-    assert rel_error(got, want) < 1e-5
+    for rows in (7, 20, 3):  # the last one's a is used below
+        a = rng.standard_normal((rows, 200)).astype(np.float32)
+        b = rng.standard_normal((500, 200)).astype(np.float32)
+        c = rng.standard_normal((rows, 500)).astype(np.float32)
+        want = 0.5 * (a.astype(np.float64) @ b.T) + 2.0 * c
+        got = mx.addmm(mx.array(c), mx.array(a), mx.array(b).T, alpha=0.5, beta=2.0)
+        assert rel_error(got, want) < 1e-5
     q = rng.standard_normal((2, 9, 4, 64)).astype(np.float32)
     k = rng.standard_normal((2, 9, 260, 64)).astype(np.float32)
     want = q.astype(np.float64) @ k.swapaxes(-1, -2)
