@@ -33,8 +33,9 @@ A policy is worth keeping across generations of the same target and drafter
 costs and acceptance it learned hold for the next reply too, so it does not
 spend each reply's first cycles relearning them.
 
-On a CPU, where verifying 16 positions costs about two decoding steps, this settles
-on 2–4; on a GPU with a strong drafter it keeps the full block. The block size
+On a CPU, where a 16-position cycle costs ~1.35 decoding steps and the shipped drafter
+is rarely right past its third token, this settles on 3–5; on a GPU with a strong
+drafter it keeps the full block. The block size
 never changes the output.
 """
 
@@ -42,17 +43,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A cycle's cost by block size, relative to a plain step through the loop, for
-# sampled runs (no timing). CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS and
-# the few-row kernel in front (blas.py), the shipped drafter (benchmarks/README.md, "The
-# few-row kernel": fixed-size cycles of 2, 3, 4, 8 and 16 cost 1.34, 1.35, 1.45, 1.55 and
-# 1.94 mlx-lm steps).
+# A cycle's cost by block size, relative to a plain step, for sampled runs (no timing).
+# CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS and the few-row kernel in front
+# (blas.py), the shipped drafter (benchmarks/README.md, "Few-row products packed as
+# columns": fixed-size cycles of 2, 3, 4, 8 and 16 cost 1.14, 1.13, 1.14, 1.19 and 1.36
+# mlx-lm steps).
 # GPU: the Qwen3-8B shape (bf16) on an H100 through MLX's CUDA backend with the verify
 # kernel (benchmarks/README.md, "Verify forward on an H100": the loop at block 1 0.99-1.05
 # mlx-lm steps, a 16-position cycle 2.44-2.84; a 2-position forward about as dear as a
 # 16-position one); Metal is costed like it until measured.
 FIXED_CYCLE_COSTS = {
-    "cpu": {1: 1.0, 2: 1.3, 3: 1.35, 4: 1.45, 8: 1.55, 16: 1.95},
+    "cpu": {1: 1.0, 2: 1.15, 3: 1.15, 4: 1.15, 8: 1.2, 16: 1.35},
     "gpu": {1: 1.0, 2: 2.4, 16: 2.6},
 }
 

@@ -28,10 +28,10 @@ from .target import TargetAdapter, load
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
 DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."
-# The fastest setting measured for SmolLM2 + the shipped drafter on a CPU: trees of 6 with the
-# prompt lookup, 1.48x mlx-lm over the bench suite against 1.34x for the adaptive chain
-# (benchmarks/README.md, "Prompt lookup in trees").
-DEMO_TREE_BUDGET = 6
+# The fastest setting measured for SmolLM2 + the shipped drafter on a CPU: trees of 8 with the
+# prompt lookup, 1.66x mlx-lm over the bench suite's prompts against 1.62x for trees of 6 and
+# 1.31x for the adaptive chain (benchmarks/README.md, "Few-row products packed as columns").
+DEMO_TREE_BUDGET = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -213,8 +213,8 @@ def test_a_sampling_policy_ignores_the_clock():
     "rates, settles_on", [(STRONG, (12, 16)), (NEVER, (1, 1))], ids=["strong", "never"]
 )
 def test_fixed_costs_settle_on_long_blocks_or_plain_steps(backend, rates, settles_on):
-    """A strong drafter gets long blocks (on the CPU, where a cycle's cost grows about
-    linearly past 8 positions, 12 pays as well as 16), a useless one plain steps."""
+    """A strong drafter gets long blocks (12 pays about as well as 16 where a cycle's cost
+    grows past 8 positions, as on the CPU), a useless one plain steps."""
     costs = FIXED_CYCLE_COSTS[backend]
     policy = AdaptiveBlock(16, fixed_costs=costs)
     _, sizes = simulate(policy, rates, lambda n: interpolated_cost(costs, n), cycles=200)

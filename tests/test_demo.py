@@ -45,8 +45,8 @@ def test_demo_verifies_trees_or_the_chain(make_pair, capsys):
         assert any("output identical" in line for line in lines)
     with pytest.raises(ValueError, match="--tree-budget must be 0"):
         demo.run(demo_args(model=target, draft=str(draft), tree_budget=-1))
-    # trees of 6 by default with the shipped drafter only (any other: the chain)
-    assert demo.default_tree_budget(str(demo.SHIPPED_DRAFTER)) == demo.DEMO_TREE_BUDGET == 6
+    # trees of 8 by default with the shipped drafter only (any other: the chain)
+    assert demo.default_tree_budget(str(demo.SHIPPED_DRAFTER)) == demo.DEMO_TREE_BUDGET == 8
     assert demo.default_tree_budget(draft) == 0
 
 
