@@ -7,8 +7,9 @@
  * 0.14 ms (SmolLM2's shapes, the weights streamed from memory; benchmarks/blas_matmul.py).
  * Here every output is a dot product of a row of the small operand with a row of the large one,
  * read where they lie: W is streamed once, each of its rows used for all the few rows while it
- * is in cache, over OpenMP threads. With AVX-512, from 5 rows on, the few rows are first packed
- * as columns so that no dot product needs a sum across lanes (`column_dots`). Every other call
+ * is in cache, over OpenMP threads. With AVX-512 or AVX2, from 5 rows on (to 32 or 16), the
+ * few rows are first packed as columns so that no dot product needs a sum across lanes
+ * (`column_dots`). Every other call
  * goes to the BLAS it was bound over (`dflash_set_fallback`), as do transposed-left,
  * column-major and K = 0 calls.
  * Built and loaded by blas.py. Sums are in a different order than OpenBLAS's (float32 results
@@ -100,15 +101,17 @@ static int thread_count(int B, int K) {
   return (int)threads;
 }
 
-#if LANES == 16
-/* From 5 rows of the small operand on (a verify forward's, a tree's), AVX-512 only: no sums
+#if LANES == 16 || defined(__AVX2__) /* where it was measured: not NEON */
+#define COLUMNS
+/* From 5 rows of the small operand on (a verify forward's, a tree's), up to 2 * LANES: no sums
  * across lanes. The few rows are packed as columns, `packed[G * k + g]` holding element k of
- * rows 16g.. in its lanes (zeros past the last row), and each element of BJ rows of big,
+ * rows LANES * g.. in its lanes (zeros past the last row), and each element of BJ rows of big,
  * broadcast, multiplies its column: one multiply-add per element of big, at ~80 % of peak
  * where the dot products above reach ~55 %. Two sets of accumulators keep 2 * BJ
- * multiply-adds in flight: with one vector of rows (G = 1) even and odd k, with two, one each.
- * A 16-row verify forward's products got ~40 % cheaper (benchmarks/README.md). */
-#define BJ 8
+ * multiply-adds in flight: with one vector of rows (G = 1) even and odd k, with two, one each
+ * (2 * BJ + 2 vectors: 8 rows of big with AVX-512's 32 registers, 4 with AVX2's 16). A
+ * 16-row verify forward's products got ~40 % cheaper (benchmarks/README.md). */
+#define BJ (LANES == 16 ? 8 : 4)
 
 static inline __attribute__((always_inline)) void columns(int G, int J, int K, const vec *packed,
                                                           const float *big, int ldb,
@@ -130,8 +133,8 @@ static inline __attribute__((always_inline)) void columns(int G, int J, int K, c
     for (int j = 0; j < J; j++) acc[0][j] += row[j][k] * packed[k];
 }
 
-/* Every row of `small` (5 <= S <= 32) dotted with every row of `big` (B rows), K long; false
- * where the packed copy could not be allocated. */
+/* Every row of `small` (5 <= S <= 2 * LANES) dotted with every row of `big` (B rows), K long;
+ * false where the packed copy could not be allocated. */
 static int column_dots(int S, int B, int K, const float *small, int lds, const float *big,
                        int ldb, float alpha, float beta, float *out, long si, long sj) {
   int G = S > LANES ? 2 : 1;
@@ -169,8 +172,8 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
 /* Every row of `small` (S <= MAX_ROWS rows) dotted with every row of `big` (B rows), K long. */
 static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
                  float alpha, float beta, float *out, long si, long sj) {
-#if LANES == 16
-  if (S >= 5 && column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj)) return;
+#ifdef COLUMNS
+  if (S >= 5 && S <= 2 * LANES && column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj)) return;
 #endif
   int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width, threads = thread_count(B, K);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -139,6 +140,30 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel(tmp_path):
     assert done.returncode == 0, done.stderr
     got = mx.array(eval(done.stdout))
     assert rel_error(got, x.astype(np.float32).astype(np.float64) @ w.astype(np.float32).T) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 vector extensions")
+def test_the_kernel_built_for_avx2_alone_matches_float64(tmp_path):
+    """The kernel as an x86 machine without AVX-512 builds it (8 lanes: dot products for 1-4
+    and 17-32 rows, packed columns for 5-16), loaded on its own and called directly."""
+    path = tmp_path / "avx2.so"
+    blas._compile(shutil.which("cc"), [*blas.KERNEL_FLAGS, "-mno-avx512f"], path)
+    kernel = ctypes.CDLL(str(path))
+    openblas = ctypes.CDLL(next(p for p in blas.CANDIDATES if os.path.exists(p)))
+    kernel.dflash_set_fallback(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p))
+    pointer, size = np.ctypeslib.ndpointer(np.float32, flags="C"), ctypes.c_int
+    kernel.cblas_sgemm.argtypes = [size] * 6 + [ctypes.c_float, pointer, size, pointer, size]
+    kernel.cblas_sgemm.argtypes += [ctypes.c_float, pointer, size]
+    rng = np.random.default_rng(2)
+    for rows in (1, 4, 5, 8, 9, 13, 16, 17, 32):
+        for n, k in ((300, 100), (37, 7)):
+            a = rng.standard_normal((rows, k)).astype(np.float32)
+            b = rng.standard_normal((n, k)).astype(np.float32)
+            c = rng.standard_normal((rows, n)).astype(np.float32)
+            want = 0.5 * (a.astype(np.float64) @ b.T) + 2.0 * c
+            kernel.cblas_sgemm(101, 111, 112, rows, n, k, 0.5, a, k, b, k, 2.0, c, n)
+            assert np.abs(c - want).max() / np.abs(want).max() < 1e-5, (rows, n, k)
 
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
