@@ -275,9 +275,9 @@ def compiled(modules: list[nn.Module]) -> Iterator[None]:
     """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled, their
     RoPEs sharing tables; elsewhere nothing changes."""
     on_cpu = mx.default_device() == mx.cpu
-    with swapped([(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu]):
-        with shared_rope_tables():
-            yield
+    swaps = [(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu]
+    with swapped(swaps), shared_rope_tables():
+        yield
 
 
 @lru_cache(maxsize=8)

@@ -9,9 +9,8 @@
  * read where they lie: W is streamed once, each of its rows used for all the few rows while it
  * is in cache, over OpenMP threads. With AVX-512 or AVX2, from 5 rows on (to 32 or 16), the
  * few rows are first packed as columns so that no dot product needs a sum across lanes
- * (`column_dots`). Every other call
- * goes to the BLAS it was bound over (`dflash_set_fallback`), as do transposed-left,
- * column-major and K = 0 calls.
+ * (`column_dots`). Every other call goes to the BLAS it was bound over (`dflash_set_fallback`),
+ * as do transposed-left, column-major and K = 0 calls.
  * Built and loaded by blas.py. Sums are in a different order than OpenBLAS's (float32 results
  * agree to ~1e-7 relative).
  */
@@ -173,7 +172,9 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
 static void dots(int S, int B, int K, const float *small, int lds, const float *big, int ldb,
                  float alpha, float beta, float *out, long si, long sj) {
 #ifdef COLUMNS
-  if (S >= 5 && S <= 2 * LANES && column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj)) return;
+  if (S >= 5 && S <= 2 * LANES &&
+      column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj))
+    return;
 #endif
   int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width, threads = thread_count(B, K);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
