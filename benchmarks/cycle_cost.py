@@ -366,8 +366,8 @@ class CycleCost:
                 self.draft,
                 self.tokenizer,
                 self.prompt,
-                self.block,
-                max_tokens,
+                block_size=self.block,
+                max_tokens=max_tokens,
                 tree_budget=budget,
             )
         ]
@@ -395,7 +395,12 @@ class CycleCost:
         stamps = [
             (time.perf_counter(), r)
             for r in stream_generate(
-                self.model, self.draft, self.tokenizer, self.prompt, self.block, max_tokens
+                self.model,
+                self.draft,
+                self.tokenizer,
+                self.prompt,
+                block_size=self.block,
+                max_tokens=max_tokens,
             )
         ]
         full = [

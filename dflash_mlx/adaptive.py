@@ -1,6 +1,11 @@
 """Choosing each cycle's block size (`AdaptiveBlock`), or tree size (`AdaptiveTree`), by
 measured cost.
 
+Both are size policies with one protocol: `plan()` before a cycle says how many
+draft tokens it may propose (0: a plain step), `record(Cycle)` after it says what
+it verified, accepted and cost. A tree policy also `fit`s each drafted tree to the
+nodes worth verifying, from the drafter's confidence in them.
+
 A cycle of block size n (the last token plus n - 1 drafts) commits on average
 E(n) = 1 + Σ_{j<n} a_1 ⋯ a_j tokens, where a_k is the rate at which draft k is
 accepted once the drafts before it were, and costs c(n) seconds. The policy
@@ -42,6 +47,19 @@ never changes the output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Cycle:
+    """A finished cycle, as a size policy learns from it: draft tokens verified, accepted
+    (the leading ones of a chain; a tree's accepted path), wall time, and for a tree the
+    drafter's path probabilities of its verified nodes."""
+
+    proposed: int
+    accepted: int
+    seconds: float
+    probabilities: list[float] | None = None
+
 
 # A cycle's cost by block size, relative to a plain step, for sampled runs (no timing).
 # CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS and the few-row kernel in front
@@ -144,6 +162,15 @@ class AdaptiveBlock:
         rates = self.acceptance_rates()
         return max(self.sizes, key=lambda n: self.expected_tokens(n, rates) / self.cost(n))
 
+    @property
+    def setting(self) -> tuple[str, int]:
+        """What it was made for: ("block size", n)."""
+        return "block size", self.block_size
+
+    def plan(self) -> int:
+        """Draft tokens the next cycle proposes (0: a plain step)."""
+        return self.next_block_size() - 1
+
     def next_block_size(self) -> int:
         if not self.seconds:
             return self.block_size  # nothing measured yet: draft as configured
@@ -160,8 +187,9 @@ class AdaptiveBlock:
         up = (self.probes % 2 or i == 0) and i < len(self.sizes) - 1
         return self.sizes[i + 1 if up else max(i - 1, 0)]
 
-    def record(self, block_size: int, committed: int, seconds: float) -> None:
-        """One finished cycle: its block size, the tokens it committed and its wall time."""
+    def record(self, cycle: Cycle) -> None:
+        """One finished chain cycle."""
+        block_size, committed = cycle.proposed + 1, cycle.accepted + 1
         self.cycles += 1
         if block_size > 1:  # plain steps say nothing about the drafter: keep its counts
             self.tried = [t * self.decay for t in self.tried]
@@ -170,7 +198,7 @@ class AdaptiveBlock:
             self.tried[k] += 1
             self.accepted[k] += k < committed - 1
         if self.timed:
-            running_average(self.seconds, block_size, seconds, self.smoothing)
+            running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
 
 
 @dataclass
@@ -214,6 +242,19 @@ class AdaptiveTree:
         self.sizes = block_ladder(self.max_budget + 1)
         self.probe_gap = self.min_probe_gap
 
+    @property
+    def setting(self) -> tuple[str, int]:
+        """What it was made for: ("tree budget", n)."""
+        return "tree budget", self.max_budget
+
+    def plan(self) -> int:
+        """Draft tokens the next cycle may propose: the largest tree, or 0 (a plain step)."""
+        return self.max_budget if self.draft_next() else 0
+
+    def fit(self, probabilities: list[float]) -> int:
+        """How many of a drafted tree's nodes (path probabilities, best first) to verify."""
+        return self.budget(probabilities)
+
     def draft_next(self) -> bool:
         """Whether the next cycle drafts (else it is a plain step)."""
         self.probing = self.skipping == 0 and not self.drafting
@@ -246,11 +287,12 @@ class AdaptiveTree:
                 best = max(sizes[1:], key=rate.__getitem__)
         return best - 1
 
-    def record(self, probabilities: list[float], accepted: int, seconds: float) -> None:
-        """One finished cycle: its nodes' path probabilities, drafts accepted, wall time."""
+    def record(self, cycle: Cycle) -> None:
+        """One finished tree cycle."""
         if not self.drafting:
             return  # a plain step: the drafted cycles' costs are what the choice compares
+        probabilities = cycle.probabilities or []
         if probabilities:  # only a tree tells the drafter's calibration
-            self.accepted = self.decay * self.accepted + accepted
+            self.accepted = self.decay * self.accepted + cycle.accepted
             self.predicted = self.decay * self.predicted + sum(probabilities)
-        running_average(self.seconds, len(probabilities) + 1, seconds, self.smoothing)
+        running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)

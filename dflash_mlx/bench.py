@@ -38,22 +38,18 @@ from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveTree
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
 from .distributed import Lockstep, share, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
-from .generate import (
-    GenerationResponse,
-    PromptCache,
-    clock_may_choose,
-    make_prompt_cache,
-    new_block_policy,
-    stream_generate,
-)
+from .generate import stream_generate
+from .prompt_cache import PromptCache, make_prompt_cache
+from .response import GenerationResponse
 from .sampling import RULES
 from .session import add_rank_timeout_argument
+from .settings import GenerationSettings
+from .swaps import swapped
 from .target import load
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
@@ -145,11 +141,8 @@ def timed(obj: Any, watch: Stopwatch, methods: dict[str, tuple[str, Sync]]) -> I
         return method
 
     body = {name: wrap(name, part, sync) for name, (part, sync) in methods.items()}
-    obj.__class__ = type(f"Timed{cls.__name__}", (cls,), body)
-    try:
+    with swapped([(obj, cls, type(f"Timed{cls.__name__}", (cls,), body))]):
         yield
-    finally:
-        obj.__class__ = cls
 
 
 @dataclass
@@ -316,9 +309,14 @@ def bench(
         tokenizer = TokenizerWrapper(tokenizer)
     max_block = block_size or draft.config.block_size
     sampler = make_sampler(temperature)
-    # when adapting, each prompt goes on from the last
-    timed = clock_may_choose(temperature, None)
-    policy = AdaptiveTree(tree_budget) if tree_budget else new_block_policy(max_block, timed)
+    settings = GenerationSettings(
+        block_size=block_size,
+        temperature=temperature,
+        adaptive=adaptive,
+        acceptance=acceptance_rule,
+        tree_budget=tree_budget,
+    )
+    policy = settings.new_policy(max_block)  # when adapting, each prompt goes on from the last
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(
@@ -331,13 +329,8 @@ def bench(
             draft,
             tokenizer,
             ids,
-            block_size,
-            n,
-            temperature,
+            settings=settings.but(max_tokens=n),
             prompt_cache=cache,
-            adaptive=adaptive,
-            acceptance=acceptance_rule,
-            tree_budget=tree_budget,
             block_policy=policy,
         )
 

@@ -2,9 +2,16 @@
 
 MLX's Linux CPU wheel bundles a reference BLAS (~4-6 GF/s on a 2048² fp32
 matmul here). Loading Debian's OpenBLAS with RTLD_GLOBAL *before* mlx is first
-imported makes MLX's `cblas_sgemm` calls resolve to it (~135-210 GF/s). This
-module must therefore be imported before `mlx.core`; `dflash_mlx/__init__.py`
-does so first thing. Set DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
+imported makes MLX's `cblas_sgemm` calls resolve to it (~135-210 GF/s).
+
+It cannot happen later, on first use: Python loads extension modules with
+RTLD_NOW, so MLX's library resolves its BLAS symbols when `mlx.core` is first
+imported, and a library loaded after that is never consulted (a 1024² matmul
+here: 28 ms with OpenBLAS bound first, 312 ms bound after mlx, 358 ms never).
+So `dflash_mlx/__init__.py` calls `use_fast_cpu()` before anything imports mlx,
+and a program must import dflash_mlx before mlx; otherwise everything works on
+MLX's bundled BLAS, and `active_blas()` (`dflash-mlx info`) says why. Set
+DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
 
 In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
 system C compiler, with OpenMP where it has it (cached in `paths.cache_dir()`/kernels):
@@ -46,8 +53,12 @@ _kernel: str | None = None
 _kernel_reason = "not attempted"
 
 
-def _bind() -> None:
+def use_fast_cpu() -> None:
+    """Bind OpenBLAS, with the few-row kernel in front, for MLX's CPU matmuls; only effective
+    before mlx is first imported (see the module docstring)."""
     global _active, _reason
+    if _active:
+        return
     if not sys.platform.startswith("linux"):
         _reason = "not Linux: MLX uses Accelerate/Metal"
         return
@@ -146,6 +157,3 @@ def active_blas() -> str:
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return f"MLX bundled reference BLAS ({_reason})"
-
-
-_bind()

@@ -18,16 +18,19 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from .chat_format import chat_prompt
+from .chat_format import chat_prompt, encode_prompt
 from .distributed import Lockstep, world_group
-from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
+from .generate import stream_generate
+from .prompt_cache import make_prompt_cache
+from .response import GenerationResponse
 from .session import (
     ReplyStats,
     add_model_arguments,
     add_template_config_argument,
-    generation_kwargs,
+    generation_settings,
     load_models,
 )
+from .settings import GenerationSettings
 from .target import TargetAdapter
 
 HELP = """commands:
@@ -50,14 +53,14 @@ class Chat:
         model,
         tokenizer,
         draft,
-        kwargs: dict,
+        settings: GenerationSettings,
         system: str | None,
         reuse: bool,
         template_kwargs: dict | None = None,
         lockstep: Lockstep | None = None,
     ):
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
-        self.kwargs, self.system, self.reuse = kwargs, system, reuse
+        self.settings, self.system, self.reuse = settings, system, reuse
         self.template_kwargs = template_kwargs or {}
         self.lockstep = lockstep or Lockstep(None, 0, "chat")
         self.max_context = TargetAdapter(model).max_context
@@ -81,9 +84,14 @@ class Chat:
         if fresh_cache:
             self.cache = make_prompt_cache(self.model, self.draft)
         new = len(prompt) - self.cache.reuse(prompt)
-        kwargs = {**self.kwargs, "max_tokens": max_tokens}
+        settings = self.settings.but(max_tokens=max_tokens)
         responses = stream_generate(
-            self.model, self.draft, self.tokenizer, prompt, prompt_cache=self.cache, **kwargs
+            self.model,
+            self.draft,
+            self.tokenizer,
+            prompt,
+            settings=settings,
+            prompt_cache=self.cache,
         )
         return new, self.lockstep.steps(responses, stop)
 
@@ -98,7 +106,7 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         text = chat_prompt(self.tokenizer, self.messages, **self.template_kwargs)
         prompt = encode_prompt(self.tokenizer, text)
-        room = self.max_context - len(prompt) if self.max_context else self.kwargs["max_tokens"]
+        room = self.max_context - len(prompt) if self.max_context else self.settings.max_tokens
         if room < 1:
             self.messages.pop()
             print(
@@ -108,7 +116,7 @@ class Chat:
             return
         turn = {
             "prompt": prompt,
-            "max_tokens": min(self.kwargs["max_tokens"], room),
+            "max_tokens": min(self.settings.max_tokens, room),
             "fresh_cache": self.fresh_cache or not self.reuse,
         }
         self.fresh_cache = False
@@ -202,7 +210,7 @@ def run(args: argparse.Namespace) -> None:
         model,
         tokenizer,
         draft,
-        generation_kwargs(args),
+        generation_settings(args),
         args.system,
         not args.no_prompt_cache,
         args.chat_template_config,

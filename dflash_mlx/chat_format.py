@@ -11,14 +11,32 @@ import logging
 from functools import cache
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-from .generate import encode_prompt
 
 logger = logging.getLogger(__name__)
 
 # mlx_lm.server's default role prefixes; the reply starts after "ASSISTANT:".
 PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> list[int]:
+    """Token ids of a prompt given as text (a BOS added unless it starts with one), ids or
+    an array of ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) for t in ids):
+        raise ValueError("a token-id prompt must contain only integers")
+    return ids
 
 
 @cache

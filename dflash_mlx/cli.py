@@ -35,9 +35,9 @@ def info(_: argparse.Namespace) -> None:
     import mlx_lm
     from huggingface_hub.constants import HF_HUB_CACHE
 
+    from . import backends
     from .kernels import active_backend
     from .loading import default_dtype
-    from .target import VERIFY_PATHS, verify_backend
 
     rows = [
         ("dflash-mlx", __version__),
@@ -54,7 +54,7 @@ def info(_: argparse.Namespace) -> None:
         ),
         ("BLAS", active_blas()),
         ("block-attention kernels", active_backend()),
-        ("verify forward", VERIFY_PATHS[verify_backend()]),
+        ("verify forward", backends.PATHS[backends.current()]),
         ("dflash-mlx cache", str(cache_dir())),
         ("hugging face cache", str(HF_HUB_CACHE)),
     ]

@@ -42,8 +42,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 
-from .swaps import swapped
-
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * _LN2_HI is exact
 _POLY = (
@@ -268,16 +266,6 @@ COMPILED_CLASSES = {
 def compiled_modules(modules: list[nn.Module]) -> list[nn.Module]:
     """The modules among `modules` (and their submodules) that have a `COMPILED_CLASSES` class."""
     return [m for module in modules for m in module.modules() if type(m) in COMPILED_CLASSES]
-
-
-@contextmanager
-def compiled(modules: list[nn.Module]) -> Iterator[None]:
-    """While a graph is built on the CPU: `modules` (`compiled_modules`) run compiled, their
-    RoPEs sharing tables; elsewhere nothing changes."""
-    on_cpu = mx.default_device() == mx.cpu
-    swaps = [(m, type(m), COMPILED_CLASSES[type(m)]) for m in modules if on_cpu]
-    with swapped(swaps), shared_rope_tables():
-        yield
 
 
 @lru_cache(maxsize=8)

@@ -23,7 +23,8 @@ from .adaptive import AdaptiveBlock
 from .bench import measure, throughput
 from .chat_format import render
 from .checkpoint import load_draft
-from .generate import GenerationResponse, stream_generate
+from .generate import stream_generate
+from .response import GenerationResponse
 from .target import TargetAdapter, load
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property, partial
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,9 +41,10 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import cpu_math
+from . import backends
 from .kernels import block_attention
-from .kernels.cuda import few_rows_linears, plain_linears
+from .swaps import Swap
+from .tree import Tree, build_selector_tree, build_tree, ranked_edges, top_candidates
 
 KERNEL_BACKENDS = ("auto", "metal", "reference")
 REQUIRED_FIELDS = (
@@ -53,6 +54,18 @@ REQUIRED_FIELDS = (
     "intermediate_size",
     "vocab_size",
 )
+
+
+class DraftHead(Protocol):
+    """The head a drafter proposes through (`TargetAdapter.draft_head`): called, the
+    full-vocabulary logits; `rows`, the logits of its own columns alone, column j being
+    token `token_ids[j]` (`token_ids` None: every token, in order)."""
+
+    token_ids: list[int] | None
+
+    def __call__(self, x: mx.array) -> mx.array: ...
+
+    def rows(self, x: mx.array) -> mx.array: ...
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -565,18 +578,14 @@ class DFlashDraft(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    @cached_property
-    def block_linears(self) -> list[nn.Module]:
-        """The draft layers' plain linear layers, found at the first block: graph building is
-        on a cycle's critical path on a GPU, so the module tree is not walked per block (the
-        list lives outside the parameter tree)."""
-        return plain_linears(self.layers)
-
-    @cached_property
-    def block_norms(self) -> list[nn.Module]:
-        """The draft layers' and final norms and RoPEs, which run compiled on the CPU
-        (`cpu_math.compiled`), found once as `block_linears` is."""
-        return cpu_math.compiled_modules([*self.layers, self.norm])
+    def block_swaps(self, backend: str | None) -> list[Swap]:
+        """The block's class swaps on `backend` (`backends.block_swaps`), found at the first
+        block: graph building is on a cycle's critical path on a GPU, so the module tree is
+        not walked per block (the lists live outside the parameter tree)."""
+        found = self.__dict__.setdefault("_block_swaps", {})
+        if backend not in found:
+            found[backend] = backends.block_swaps([*self.layers, self.norm], backend)
+        return found[backend]
 
     def fuse(self, target_hidden: mx.array) -> mx.array:
         """The context rows: concatenated target features -> fc -> hidden_norm."""
@@ -607,7 +616,7 @@ class DFlashDraft(nn.Module):
         self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Final hidden states (L - 1, hidden) of the block's mask positions."""
-        with few_rows_linears(self.block_linears), cpu_math.compiled(self.block_norms):
+        with backends.building(self.block_swaps(backends.current())):
             return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
@@ -668,3 +677,22 @@ class DFlashDraft(nn.Module):
         hidden = self.mask_hidden(block, embed, cache)
         logits = self.head_logits(hidden, lm_head)
         return self.candidate_selector.walk(hidden, logits, block[0], choose)
+
+    def tree(
+        self,
+        root: int,
+        depth: int,
+        embed: Callable[[mx.array], mx.array],
+        head: DraftHead,
+        cache: list[KVCache],
+        budget: int,
+    ) -> Tree:
+        """The `budget` most likely continuations of `root`, up to `depth` tokens deep
+        (`tree.py`). DFlash 1 ranks each position's tokens apart (over the head's own
+        columns); DFlash 2 scores each token given the one before, as its selector walks."""
+        block = mx.array([root] + [self.config.mask_token_id] * depth)
+        if "candidate_selector" in self:
+            edges = ranked_edges(*self.selector_edges(block, embed, head, cache))
+            return build_selector_tree(root, *edges, budget)
+        logits = self.draft_logits(block, embed, head.rows, cache)
+        return build_tree(root, *top_candidates(logits, budget, head.token_ids), budget)

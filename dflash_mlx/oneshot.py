@@ -21,7 +21,7 @@ from .session import (
     ReplyStats,
     add_model_arguments,
     add_template_config_argument,
-    generation_kwargs,
+    generation_settings,
     load_models,
 )
 from .stops import stop_at_strings
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> None:
     elif args.system:
         raise ValueError("--system needs the model's chat template")
     stats = ReplyStats()
-    responses = stream_generate(model, draft, tokenizer, prompt, **generation_kwargs(args))
+    responses = stream_generate(model, draft, tokenizer, prompt, settings=generation_settings(args))
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
     for response in lockstep.steps(stop_at_strings(responses, args.stop)):
         stats.add(response)

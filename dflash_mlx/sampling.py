@@ -12,11 +12,12 @@ Three rules, all lossless:
   normalize(max(0, p - q)); if all are accepted the bonus token comes from p.
   Every emitted token is then distributed exactly as the target's own sample.
 
-Everything stays on the device; the loop reads `matches` and `choices` once.
+Everything stays on the device, the token after the accepted drafts included;
+the loop reads a cycle's drafts, accepted count and that token in one read.
 Full-vocabulary work is kept to what a cycle needs: on a CPU an `exp` costs
 ~50 additions (`benchmarks/README.md`), so acceptance reads p and q only at the
-drafted tokens, the residual is drawn for the one rejected position after the
-sync instead of for all of them, and the normalisations (`logsumexp`) take their
+drafted tokens, the residual is drawn for the one rejected position (chosen on the
+device) instead of for all of them, and the normalisations (`logsumexp`) take their
 exps from `cpu_math` on the CPU.
 """
 
@@ -110,26 +111,27 @@ def residual_sample(target_logprobs: mx.array, draft_logprobs: mx.array) -> mx.a
     return mx.random.categorical(mx.log(residual))
 
 
+def leading(matches: mx.array) -> mx.array:
+    """How many of `matches` hold before the first that does not (a scalar, on the device)."""
+    return mx.cumprod(matches.astype(mx.int32)).sum()
+
+
 @dataclass
 class Verdict:
-    """The target's verdict on k drafts, read by the host after one sync.
+    """The target's verdict on k drafts, all on the device until the host reads it.
 
-    `matches[i]` accepts draft i; after j leading accepted drafts the token
-    committed is `choices[j]`. Speculative sampling draws only the bonus
-    (`choices[k]`) up front and leaves `resample(j)` for the rejected position.
-    `logits` are the target's, after the logits processors, at each position.
+    `matches[i]` accepts draft i; `accepted` counts the leading accepted drafts and
+    `token` is the one committed after them: the target's own choice there, or for
+    speculative sampling the residual sample at the rejected position (the bonus
+    sample if all were accepted). `logits` are the target's, after the logits
+    processors, at each position. The host reads `accepted` and `token` together
+    with the drafts, once per cycle.
     """
 
     matches: mx.array
-    choices: mx.array
+    accepted: mx.array
+    token: mx.array
     logits: mx.array
-    resample: Callable[[int], int] | None = field(default=None, repr=False)
-
-    def token_after(self, accepted: int) -> int:
-        """The token committed after `accepted` leading drafts (read after the sync)."""
-        if self.resample is not None and accepted < self.choices.size - 1:
-            return self.resample(accepted)
-        return self.choices.tolist()[accepted]
 
 
 @dataclass
@@ -204,15 +206,18 @@ class Verifier:
         if draft_logprobs is not None and self.rule == "speculative" and drafts.size:
             target_logprobs = self.transform(target_logits)
             matches = speculative_accept(drafts, draft_logprobs, target_logprobs)
-            bonus = mx.random.categorical(target_logprobs[-1:])
-            undrawn = mx.zeros((len(drafts),), dtype=bonus.dtype)
-
-            def resample(j: int) -> int:
-                return residual_sample(target_logprobs[j], draft_logprobs[j]).item()
-
-            return Verdict(matches, mx.concatenate([undrawn, bonus]), target_logits, resample)
+            bonus = mx.random.categorical(target_logprobs[-1])
+            accepted = leading(matches)
+            row = mx.minimum(accepted, drafts.size - 1)  # the rejected position, if any
+            residual = residual_sample(
+                mx.take(target_logprobs, row, axis=0), mx.take(draft_logprobs, row, axis=0)
+            )
+            token = mx.where(accepted < drafts.size, residual, bonus)
+            return Verdict(matches, accepted, token, target_logits)
         choices, _ = self._choose(target_logits)
-        return Verdict(drafts == choices[:-1].astype(drafts.dtype), choices, target_logits)
+        matches = drafts == choices[:-1].astype(drafts.dtype)
+        accepted = leading(matches)
+        return Verdict(matches, accepted, mx.take(choices, accepted), target_logits)
 
 
 def make_verifier(

@@ -53,17 +53,20 @@ from pydantic import (
 )
 from starlette.background import BackgroundTask
 
-from .chat_format import chat_prompt
+from .chat_format import chat_prompt, encode_prompt
 from .distributed import Lockstep, abort, is_backend_error, world_group
-from .generate import GenerationResponse, encode_prompt, make_prompt_cache, stream_generate
+from .generate import stream_generate
+from .prompt_cache import make_prompt_cache
+from .response import GenerationResponse
 from .session import (
     DEFAULT_MAX_QUEUE,
     PROCESSOR_SETTINGS,
     ReplyStats,
-    generation_kwargs,
+    generation_settings,
     load_models,
     processor_settings,
 )
+from .settings import GenerationSettings
 from .stops import stop_at_strings
 from .target import TargetAdapter
 
@@ -245,13 +248,13 @@ class Worker:
         model,
         tokenizer,
         draft,
-        defaults: dict[str, Any],
+        defaults: GenerationSettings,
         template_kwargs: dict[str, Any] | None = None,
         processor_settings: dict[str, Any] | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         lockstep: Lockstep | None = None,
     ):
-        """`defaults`: `stream_generate` kwargs from the flags, which requests override;
+        """`defaults`: the flags' generation settings, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own;
         `lockstep` the ranks that run every job under `mlx.launch`."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
@@ -290,13 +293,17 @@ class Worker:
         """The job's responses, ended early when `stop()` (on every rank under mlx.launch)."""
         if job.seed is not None:
             mx.random.seed(job.seed)
-        kwargs = {**self.defaults, **job.kwargs}
+        settings = self.defaults.but(**job.kwargs)
         if job.settings:
-            kwargs["logits_processors"] = make_logits_processors(
-                **{**self.processor_settings, **job.settings}
-            )
+            processors = make_logits_processors(**{**self.processor_settings, **job.settings})
+            settings = settings.but(logits_processors=processors)
         responses = stream_generate(
-            self.model, self.draft, self.tokenizer, job.prompt, prompt_cache=self.cache, **kwargs
+            self.model,
+            self.draft,
+            self.tokenizer,
+            job.prompt,
+            settings=settings,
+            prompt_cache=self.cache,
         )
         return self.lockstep.steps(stop_at_strings(responses, job.stops), stop)
 
@@ -372,7 +379,7 @@ class Job:
     """One request's generation, as the worker thread runs it (JSON-able, to send to ranks)."""
 
     prompt: list[int]
-    kwargs: dict[str, Any]  # for `stream_generate`, over the server's defaults
+    kwargs: dict[str, Any]  # generation settings, over the server's defaults
     settings: dict[str, Any] = field(default_factory=dict)  # penalties, over the server's
     seed: int | None = None
     stops: list[str] = field(default_factory=list)
@@ -477,7 +484,7 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             "min_p": body.min_p,
         }
         kwargs = {k: v for k, v in requested.items() if v is not None}
-        max_tokens = kwargs.get("max_tokens", worker.defaults["max_tokens"])
+        max_tokens = kwargs.get("max_tokens", worker.defaults.max_tokens)
         kwargs["max_tokens"] = min(max_tokens, room or max_tokens)
         settings = {k: getattr(body, k) for k in PROCESSOR_SETTINGS if getattr(body, k) is not None}
         if any(not 0 <= t < worker.vocab_size for t in settings.get("logit_bias", {})):
@@ -700,7 +707,7 @@ def run(args: argparse.Namespace) -> None:
         model,
         tokenizer,
         draft,
-        generation_kwargs(args),
+        generation_settings(args),
         args.chat_template_args,
         processor_settings(args),
         args.max_queue,

@@ -20,8 +20,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .checkpoint import load_draft
 from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
-from .generate import GenerationResponse
+from .response import GenerationResponse
 from .sampling import RULES
+from .settings import GenerationSettings
 from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
@@ -114,12 +115,7 @@ def load_models(
     """
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
-    if args.max_tokens <= 0:
-        raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.block_size is not None and args.block_size < 1:
-        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
-    if args.tree_budget is not None and args.tree_budget < 1:
-        raise ValueError(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    generation_settings(args)  # bad settings fail before anything loads
     group = world_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
@@ -155,20 +151,37 @@ def processor_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in PROCESSOR_SETTINGS if getattr(args, k) is not None}
 
 
-def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`stream_generate` keyword arguments from the flags (all but the prompt and cache)."""
-    return dict(
-        logits_processors=make_logits_processors(**processor_settings(args)),
-        block_size=1 if args.no_draft else args.block_size,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        acceptance=args.acceptance,
-        adaptive=args.adaptive,
-        tree_budget=args.tree_budget,
-    )
+# The flags of the settings whose checks name them (mlx-lm's flag names).
+SETTING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "block_size": "--block-size",
+    "tree_budget": "--tree-budget",
+    "temperature": "--temp",
+    "acceptance": "--acceptance",
+}
+
+
+def generation_settings(args: argparse.Namespace) -> GenerationSettings:
+    """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag."""
+    try:
+        return GenerationSettings(
+            logits_processors=make_logits_processors(**processor_settings(args)),
+            block_size=1 if args.no_draft else args.block_size,
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            acceptance=args.acceptance,
+            adaptive=args.adaptive,
+            tree_budget=args.tree_budget,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        field = next((f for f in SETTING_FLAGS if message.startswith(f"{f} ")), None)
+        if field is None:
+            raise
+        raise ValueError(SETTING_FLAGS[field] + message[len(field) :]) from None
 
 
 def add_template_config_argument(parser: argparse.ArgumentParser) -> None:

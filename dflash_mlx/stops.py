@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import replace
 
-from .generate import GenerationResponse
+from .response import GenerationResponse
 
 
 class StopStrings:

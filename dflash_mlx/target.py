@@ -1,73 +1,39 @@
 """The target side: loading an mlx-lm model and adapting it for speculative decoding.
 
 `TargetAdapter` finds the layer list, embedding and LM head of an mlx-lm model
-(also inside multimodal wrappers), captures the hidden states of chosen layers
-lazily (the layer outputs are kept as unevaluated arrays of the same graph, so
-capturing costs no extra evaluation), and makes and rolls back the target's
-caches: sliding-window and recurrent layers get the caches of `rollback.py`.
-Families share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
-
-Hooks work per instance: each tapped or recurrent layer object gets a subclass
-of its own class whose `__call__` records the output and checkpoints the
-recurrent cache, and gets its class back when the capture ends. No mlx-lm class
-is modified, so other models see mlx-lm unchanged. A model is captured by one
-generation at a time (a second is refused); forwards through caches other than
-the capture's (mlx-lm's own decoding of the same model) are not recorded.
-A tree forward (`tree_attention`) swaps the classes of the caches and RoPE
-modules the same way, for that one forward.
-
-In the verify forward (`TargetAdapter.forward` over several positions, on the
-CPU) the modules whose `__call__` calls mlx-lm's `swiglu` or
-`scaled_dot_product_attention` (MLPs, MoE activations, attention) get, while its
-graph is built, a subclass whose `__call__` is their own code reading those two
-names from a copy of its globals that binds `cpu_math`'s, and their class back
-right after: MLX's CPU `exp` is scalar, and over 16 positions and a long context
-the SwiGLUs' and softmaxes' exps are a large part of the forward ("cpu_math" in
-benchmarks/README.md). On the CPU the RMSNorm and RoPE modules (MLX's and mlx-lm's
-plain ones) also change class for every forward through `forward`, one position
-included, to run `cpu_math`'s compiled RMSNorm and RoPE: mlx-lm's bits from fewer
-ops (a SmolLM2 forward at one position: 2,158 against 4,071; "Compiled norms and
-RoPE" in benchmarks/README.md). On MLX's CUDA backend the same rebinding gives the
-attention modules the verify-attention kernel (`kernels/cuda.py`): MLX sends 4 or
-more bf16/fp16 queries to cuDNN, whose graphs are cached by shape while every cycle
-has more keys than the last; side by side on an H100 a cycle through the kernel
-cost 0.71-0.74x one through cuDNN ("Verify forward on an H100" in
-benchmarks/README.md). There the blocks' plain linear layers and the LM head also
-change class for the verify forward, to take the few-rows kernel
-(`kernels/cuda.py`) in place of cuBLAS.
+(also inside multimodal wrappers), makes and rolls back the target's caches
+(sliding-window and recurrent layers get the caches of `rollback.py`), runs the
+verify forward with the backend's swaps (`backends.py`), and opens the per-instance
+hooks that capture hidden states and make tree forwards (`hooks.py`). Families
+share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
-from threading import Lock
-from types import FunctionType
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
-from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
     RotatingKVCache,
-    _BaseCache,
     make_prompt_cache,
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import cpu_math
+from . import backends, hooks
 from .kernels import cuda as cuda_kernels
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
-from .swaps import Swap, swapped
+from .swaps import Swap
 
 TARGET_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -206,134 +172,16 @@ def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     )
 
 
-_HOOKED_CLASSES: dict[type, type] = {}
-_HOOKING = Lock()  # makes "is a layer hooked? then hook it" one step across threads
+class FullHead:
+    """A head over the whole vocabulary, as `draft.DraftHead`: its rows are every token."""
 
+    token_ids = None
 
-def _hooked_class(cls: type) -> type:
-    """A subclass of `cls` that checkpoints recurrent caches and records its output."""
-    if cls not in _HOOKED_CLASSES:
+    def __init__(self, logits: Callable[[mx.array], mx.array]):
+        self.rows = self.logits = logits
 
-        def __call__(self, *args, **kwargs):
-            passed = (*args, *kwargs.values())
-            for c in passed:
-                if isinstance(c, RecurrentCache):
-                    c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
-            out = cls.__call__(self, *args, **kwargs)
-            foreign = self._dflash_caches is not None and any(
-                isinstance(c, _BaseCache) and id(c) not in self._dflash_caches for c in passed
-            )
-            if self._dflash_sink is not None and not foreign:
-                self._dflash_sink[self._dflash_index] = out[0] if isinstance(out, tuple) else out
-            return out
-
-        _HOOKED_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
-    return _HOOKED_CLASSES[cls]
-
-
-def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> None:
-    """Re-run `layer` (unhooked) on the first positions of the input it last saw."""
-    cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
-
-
-def _verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention` with `cpu_math`'s softmax where it applies."""
-    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
-        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
-    return cpu_math.attention(queries, keys, values, scale, mask)
-
-
-def _cuda_verify_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, with the CUDA verify kernel for a causal block
-    (MLX's semantics: the last n keys are the block's) and for a tree over a plain KV cache."""
-    tree = getattr(cache, "_dflash_tree", None)
-    usable = (
-        sinks is None
-        and not hasattr(cache, "bits")
-        and cuda_kernels.supports(queries, keys, values)
-    )
-    if usable and tree is None and isinstance(mask, str) and mask == "causal":
-        visible = cuda_kernels.causal(queries.shape[2])
-    elif usable and tree is not None and isinstance(cache, KVCache):
-        visible = tree.visible  # the whole cache is visible to every node, and its ancestors
-    else:
-        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
-    return cuda_kernels.verify_attention(queries, keys, values, visible, scale)
-
-
-# A module whose `__call__` calls these mlx-lm functions (as globals of its own module)
-# calls the replacements instead during a verify forward on that backend.
-_VERIFY_REPLACEMENTS = {
-    "cpu": {
-        "swiglu": (swiglu, cpu_math.swiglu),
-        "scaled_dot_product_attention": (scaled_dot_product_attention, _verify_sdpa),
-    },
-    "cuda": {"scaled_dot_product_attention": (scaled_dot_product_attention, _cuda_verify_sdpa)},
-}
-_REBOUND_CLASSES: dict[tuple[type, str], type | None] = {}
-
-
-def _rebound_class(cls: type, backend: str) -> type | None:
-    """A subclass of `cls` whose `__call__` is its own code with the `backend`'s verify
-    functions bound in place of mlx-lm's, or None when it calls none of them.
-
-    The code object and closure are `cls.__call__`'s; only the globals it reads those
-    names from differ, in a copy: mlx-lm's module and class stay as they are.
-    """
-    if (cls, backend) not in _REBOUND_CLASSES:
-        call, verify = cls.__call__, None
-        if isinstance(call, FunctionType):
-            bound = {
-                name: ours
-                for name, (theirs, ours) in _VERIFY_REPLACEMENTS[backend].items()
-                if name in call.__code__.co_names and call.__globals__.get(name) is theirs
-            }
-            if bound:
-                code, defaults, closure = call.__code__, call.__defaults__, call.__closure__
-                rebound = FunctionType(
-                    code, {**call.__globals__, **bound}, call.__name__, defaults, closure
-                )
-                rebound.__kwdefaults__ = call.__kwdefaults__
-                prefix = "CpuMath" if backend == "cpu" else "CudaVerify"
-                verify = type(f"{prefix}{cls.__name__}", (cls,), {"__call__": rebound})
-        _REBOUND_CLASSES[(cls, backend)] = verify
-    return _REBOUND_CLASSES[(cls, backend)]
-
-
-def verify_backend() -> str | None:
-    """Which verify functions a forward over several positions takes: "cpu" (`cpu_math`'s
-    exps, compiled norms and RoPE), "cuda" (the verify-attention kernel; not with
-    DFLASH_MLX_KERNELS=reference), or None (mlx-lm's forward as it is)."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if cuda_kernels.enabled():
-        return "cuda"
-    return None
-
-
-VERIFY_PATHS = {
-    "cpu": "cpu_math exps, compiled norms and RoPE",
-    "cuda": "CUDA verify-attention and few-rows product kernels",
-    None: "mlx-lm's forward",
-}
-
-
-def _verify_swaps(layers: list[nn.Module | None], backend: str) -> list[Swap]:
-    """(module, its class, its class during a verify forward on `backend`) for the blocks'
-    modules calling the mlx-lm functions that backend replaces (SwiGLU, SDPA), on the CPU
-    the norms and RoPEs (compiled), on CUDA the plain linear layers and LM head
-    (`kernels.cuda.few_rows_class`). Backend "cpu step" (one position): the norms and
-    RoPEs alone, whose compiled results are mlx-lm's bits."""
-    swaps = []
-    for layer in filter(None, layers):  # None: another pipeline rank's layer
-        for m in layer.modules():
-            if backend == "cuda" and (few_rows := cuda_kernels.few_rows_class(m)) is not None:
-                swaps.append((m, type(m), few_rows))
-            elif backend in ("cpu", "cpu step") and type(m) in cpu_math.COMPILED_CLASSES:
-                swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
-            elif backend in _VERIFY_REPLACEMENTS and (verify := _rebound_class(type(m), backend)):
-                swaps.append((m, type(m), verify))
-    return swaps
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.logits(x)
 
 
 class RestrictedHead:
@@ -392,106 +240,6 @@ class RestrictedHead:
 SHARDED_HEADS = (AllToShardedLinear, QuantizedAllToShardedLinear)
 
 
-class _PipelineSink(dict):
-    """Captured layer outputs when the layers are split over pipeline ranks.
-
-    Each rank records its own tapped layers and the backbone's output; reading a
-    tapped layer gathers all of them to every rank with one `all_sum` (each
-    layer's rank adds its output, the others zeros), made to depend on the
-    backbone's output so that it runs after the forward's own send, receive and
-    gather on every rank alike, and evaluated at once, before any later forward.
-    """
-
-    OUTPUT = "output"
-
-    def __init__(self, layer_ids: list[int]):
-        super().__init__()
-        self.layer_ids = list(layer_ids)
-        self.gathered: tuple[mx.array, mx.array] | None = None  # (for this output, features)
-
-    def __getitem__(self, i: int) -> mx.array:
-        output = dict.__getitem__(self, self.OUTPUT)
-        if self.gathered is None or self.gathered[0] is not output:
-            parts = [dict.get(self, j, mx.zeros_like(output)) for j in self.layer_ids]
-            mine = mx.depends(mx.concatenate(parts, axis=-1), output)
-            self.gathered = (output, mx.distributed.all_sum(mine, stream=mx.cpu))
-            mx.eval(self.gathered[1])  # now: a receive of the next forward, which depends on
-            # nothing, must not be scheduled before it on one rank and after it on another
-        k, width = self.layer_ids.index(i), output.shape[-1]
-        return self.gathered[1][..., k * width : (k + 1) * width]
-
-
-@dataclass
-class TreeForward:
-    """What a tree forward's hooks hand to the model: each node's position and what it sees.
-
-    `positions` (n,) are absolute (the cache offset + the node's depth); `visible`
-    (n, n) is the ancestor mask among the nodes. The counters show afterwards
-    whether the model took both (see `TargetAdapter.tree_attention`).
-    """
-
-    positions: mx.array
-    visible: mx.array
-    roped: set[int] = field(default_factory=set)
-    masked: bool = False
-
-    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array:
-        """(n, offset - start + n) over the cached positions [start, offset) and the nodes:
-        every node sees the committed positions and its ancestors, those within `window`
-        positions of its own if a window is given."""
-        if n != self.visible.shape[0]:
-            raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
-        self.masked = True
-        if window is None:
-            context, visible = mx.ones((n, offset - start), dtype=mx.bool_), self.visible
-        else:
-            context = self.positions[:, None] - mx.arange(start, offset)[None] < window
-            visible = self.visible & (self.positions[:, None] - self.positions[None] < window)
-        return mx.concatenate([context, visible], axis=1)
-
-
-_TREE_CLASSES: dict[type, type] = {}
-
-
-def _tree_class(cls: type) -> type:
-    """The class a KV cache or a RoPE module has during a tree forward: a subclass of its own.
-
-    The cache's `make_mask` gives the tree's mask. The RoPE puts node i of a
-    (1, heads, n, dim) input at positions[i]: mx.fast.rope takes one offset per
-    batch row, so the node axis goes into the batch axis and back.
-    """
-    if cls not in _TREE_CLASSES:
-        if issubclass(cls, KVCache):
-
-            def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
-                return self._dflash_tree.mask(0, self.offset, N)
-
-            body = {"make_mask": make_mask}
-        elif issubclass(cls, WindowKVCache):
-
-            def make_mask(self, N: int, window_size: int | None = None, **kwargs: Any) -> mx.array:
-                start = self._first_visible()  # what update_and_fetch will keep
-                return self._dflash_tree.mask(start, self.offset, N, window_size or self.window)
-
-            body = {"make_mask": make_mask}
-        else:
-
-            def __call__(self, x, offset=0, *args, **kwargs):
-                tree = self._dflash_tree
-                if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
-                    raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
-                tree.roped.add(id(self))
-                own = cls
-                if mx.default_device() == mx.cpu and cls in cpu_math.COMPILED_CLASSES:
-                    own = cpu_math.COMPILED_CLASSES[cls]  # the verify forward's compiled RoPE
-                out = own.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
-                return out.swapaxes(0, -2)
-
-            body = {"__call__": __call__}
-        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (cls,), body)
-    return _TREE_CLASSES[cls]
-
-
 def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
     """The full-vocabulary logits of a vocabulary-sharded LM head, on every rank."""
     return gather_last_axis(head(x), head.group)
@@ -519,7 +267,7 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
-        self._verify_swaps: dict[str, list[Swap]] = {}
+        self._verify_swaps: dict[tuple[str | None, bool], list[Swap]] = {}
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
@@ -528,36 +276,43 @@ class TargetAdapter:
         attention take their exps from `cpu_math`; on MLX's CUDA backend attention takes
         the verify kernel over several positions (see the module docstring).
         """
-        backend = verify_backend()
-        if tokens.size == 1:
-            backend = "cpu step" if backend == "cpu" else None
-        if backend is None:
+        swaps = self.verify_swaps(tokens.size)
+        if not swaps:
             return self.model(tokens[None], cache=cache)[0]
-        if backend not in self._verify_swaps:
+        # graph building only: the classes are back before anything runs
+        with hooks.HOOKING, backends.building(swaps):
+            return self.model(tokens[None], cache=cache)[0]
+
+    def verify_swaps(self, positions: int) -> list[Swap]:
+        """The class swaps of a forward over `positions` on this backend
+        (`backends.verify_swaps`), found once per backend and kind of forward."""
+        backend = backends.current()
+        key = (backend, positions > 1)
+        if key not in self._verify_swaps:
             norm = getattr(self.backbone, "norm", None)
             norm = norm if isinstance(norm, nn.Module) else None
-            self._verify_swaps[backend] = _verify_swaps([*self.layers, norm, self.head], backend)
-        # graph building only: the classes are back before anything runs
-        with _HOOKING, swapped(self._verify_swaps[backend]), cpu_math.shared_rope_tables():
-            return self.model(tokens[None], cache=cache)[0]
+            modules = [*self.layers, norm, self.head]
+            self._verify_swaps[key] = backends.verify_swaps(modules, backend, positions)
+        return self._verify_swaps[key]
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
         h = self.embedding(tokens)
         return h if self.embed_scale is None else h * self.embed_scale
 
-    def draft_head(self, token_ids: list[int] | None) -> Callable[[mx.array], mx.array]:
-        """The head the drafter proposes through: the LM head, restricted to `token_ids`
-        if given. Build it once per generation: the restriction slices the weights."""
+    def draft_head(self, token_ids: list[int] | None) -> FullHead | RestrictedHead:
+        """The head the drafter proposes through (`draft.DraftHead`): the LM head, restricted
+        to `token_ids` if given. Build it once per generation: the restriction slices the
+        weights."""
         if token_ids is None:
             plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
             if plain and cuda_kernels.enabled():  # the drafter's block: 2-16 rows
-                return partial(cuda_kernels.times_transposed, weight=self.head.weight)
-            return self.lm_head
+                return FullHead(partial(cuda_kernels.times_transposed, weight=self.head.weight))
+            return FullHead(self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)
             outside[mx.array(token_ids)] = 0.0
-            return lambda x: self.lm_head(x) + outside
+            return FullHead(lambda x: self.lm_head(x) + outside)
         return RestrictedHead(self.head, token_ids)
 
     @property
@@ -625,79 +380,23 @@ class TargetAdapter:
 
     @contextmanager
     def tree_attention(self, cache: list[Any], depths: list[int], visible: mx.array) -> Iterator:
-        """Make the next forward through `cache` a tree forward, per instance.
-
-        Its inputs are tree nodes: node i is placed at the cache offset + `depths[i]`
-        and sees the committed cache and the nodes `visible[i]` (its ancestors).
-        The model code runs unchanged: the caches' class is swapped for one whose
-        `make_mask` gives the tree mask and each attention's RoPE for one that
-        takes per-node positions (mlx-lm's attention asks `cache.make_mask` for
-        its mask and ropes at `cache.offset`); both get their classes back after.
-        A model that took neither (its attention computes them otherwise) is
-        refused after the forward, before anything is read from it.
-        """
-        tree = TreeForward(cache[0].offset + mx.array(depths), visible)
-        swapped: list[tuple[Any, type]] = []
-        try:
-            for obj in [*cache, *self.ropes]:
-                swapped.append((obj, type(obj)))
-                object.__setattr__(obj, "_dflash_tree", tree)
-                obj.__class__ = _tree_class(type(obj))
+        """Make the next forward through `cache` a tree forward (`hooks.tree_attention`):
+        node i at the cache offset + `depths[i]`, seeing the cache and `visible[i]`."""
+        with hooks.tree_attention(cache, self.ropes, depths, visible, self.model_type) as tree:
             yield tree
-        finally:
-            for obj, original in swapped:
-                obj.__class__ = original
-                object.__delattr__(obj, "_dflash_tree")
-        if not tree.masked or len(tree.roped) != len(self.ropes):
-            raise ValueError(
-                f"tree verification does not support target model type '{self.model_type}': "
-                "its attention did not take the tree's positions and mask"
-            )
 
     @contextmanager
     def capture(
         self, layer_ids: list[int], cache: list[Any] | None = None
     ) -> Iterator[dict[int, mx.array]]:
-        """Record the outputs of `layer_ids` on every forward while the context is open.
-
-        Layers with a recurrent cache are hooked too: each forward checkpoints
-        their cache so that `rollback` can re-run the committed prefix. With
-        `cache`, a forward through other caches is not recorded. A second
-        capture of the same model while one is open raises RuntimeError.
-        """
-        sink: dict[Any, mx.array] = _PipelineSink(layer_ids) if self.pipelined else {}
-        tapped = set(layer_ids)
+        """Record the outputs of `layer_ids` on every forward while the context is open
+        (`hooks.capture`); with `cache`, only forwards through those caches. Layers with a
+        recurrent cache are hooked too, to checkpoint it for `rollback`."""
         recurrent = {
             self.layer_offset + i
             for i, c in enumerate(make_prompt_cache(self.model))
             if isinstance(c, ArraysCache)
         }
-        caches = None if cache is None else {id(c) for c in cache}
-        hooked = []
-        with _HOOKING:
-            if any(type(layer) in _HOOKED_CLASSES.values() for layer in self.layers):
-                raise RuntimeError(
-                    "this model is already being generated with (in another thread or another "
-                    "open generator); run one generation per model at a time"
-                )
-            hooks = [(i, self.layers[i]) for i in sorted(tapped | recurrent)]
-            if self.pipelined:  # its output: after the forward's collectives on every rank
-                hooks.append((_PipelineSink.OUTPUT, self.backbone))
-            for i, layer in hooks:
-                if layer is None:  # on another pipeline rank
-                    continue
-                original = type(layer)
-                record = i in tapped or i == _PipelineSink.OUTPUT
-                object.__setattr__(layer, "_dflash_sink", sink if record else None)
-                object.__setattr__(layer, "_dflash_index", i)
-                object.__setattr__(layer, "_dflash_caches", caches)
-                layer.__class__ = _hooked_class(original)
-                hooked.append((layer, original))
-        try:
+        backbone = self.backbone if self.pipelined else None
+        with hooks.capture(self.layers, layer_ids, recurrent, cache, backbone) as sink:
             yield sink
-        finally:
-            with _HOOKING:
-                for layer, original in hooked:
-                    layer.__class__ = original
-                    for name in ("_dflash_sink", "_dflash_index", "_dflash_caches"):
-                        object.__delattr__(layer, name)

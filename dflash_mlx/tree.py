@@ -122,15 +122,19 @@ def ranked_edges(
     candidates: mx.array, edge_logprobs: mx.array
 ) -> tuple[list[list[int]], list[list[list[int]]], list[list[list[float]]]]:
     """DFlash 2's candidates (T, K) and, after each candidate i at position t - 1, the
-    indices of position t's candidates and their log-probabilities, best first (one sync).
+    indices of position t's candidates and their log-probabilities, best first (one read).
 
     `edge_logprobs[t, i, j]`: candidate j at position t after candidate i at t - 1
     (`CandidateSelector.edge_logprobs`; at t = 0 every row is the anchor's).
     """
     order = mx.argsort(-edge_logprobs, axis=-1)
     ranked = mx.take_along_axis(edge_logprobs, order, axis=-1)
-    mx.eval(candidates, order, ranked)
-    return candidates.tolist(), order.tolist(), ranked.tolist()
+    # one read: candidate ids and ranks are exact in float32 (below 2^24)
+    parts = [candidates, order, ranked]
+    flat = np.array(mx.concatenate([p.astype(mx.float32).reshape(-1) for p in parts]))
+    sizes = np.cumsum([p.size for p in parts])[:-1]
+    ids, ranks, logprobs = (a.reshape(p.shape) for a, p in zip(np.split(flat, sizes), parts))
+    return ids.astype(np.int64).tolist(), ranks.astype(np.int64).tolist(), logprobs.tolist()
 
 
 def search_tree(

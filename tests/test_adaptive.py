@@ -12,7 +12,13 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree, interpolated_cost
+from dflash_mlx.adaptive import (
+    FIXED_CYCLE_COSTS,
+    AdaptiveBlock,
+    AdaptiveTree,
+    Cycle,
+    interpolated_cost,
+)
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
@@ -22,11 +28,11 @@ def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed:
     tokens = seconds = 0.0
     sizes = []
     for _ in range(cycles):
-        n = policy.next_block_size()
+        n = policy.plan() + 1
         accepted = 0
         while accepted < n - 1 and rng.random() < rates[accepted]:
             accepted += 1
-        policy.record(n, accepted + 1, cost(n))
+        policy.record(Cycle(n - 1, accepted, cost(n)))
         tokens, seconds = tokens + accepted + 1, seconds + cost(n)
         sizes.append(n)
     return tokens / seconds, sizes
@@ -79,7 +85,7 @@ def test_policy_follows_a_drafter_that_becomes_useless():
 def test_acceptance_estimates_and_expected_tokens():
     policy = AdaptiveBlock(4, prior_weight=0.0, decay=1.0)
     for committed in (1, 2, 2, 4):  # drafts reached: 1, 2, 2, 3; accepted: 0, 1, 1, 3
-        policy.record(4, committed, 1.0)
+        policy.record(Cycle(3, committed - 1, 1.0))
     a1, a2, a3 = policy.acceptance_rates()
     assert (a1, a2, a3) == (3 / 4, 1 / 3, 1.0)
     assert policy.expected_tokens(1) == 1.0
@@ -88,10 +94,10 @@ def test_acceptance_estimates_and_expected_tokens():
 
 def test_untried_sizes_are_costed_between_measured_ones():
     policy = AdaptiveBlock(16)
-    assert policy.next_block_size() == 16  # nothing measured: the drafter's block
-    policy.record(16, 1, 3.0)
+    assert policy.plan() + 1 == 16  # nothing measured: the drafter's block
+    policy.record(Cycle(15, 0, 3.0))
     assert policy.cost(8) == pytest.approx(1.5)  # proportional below the smallest measured
-    policy.record(2, 1, 1.0)
+    policy.record(Cycle(1, 0, 1.0))
     assert policy.cost(9) == pytest.approx(2.0)  # interpolated between 2 and 16
     assert policy.cost(1) == pytest.approx(0.5)
 
@@ -140,8 +146,8 @@ def test_plain_decoding_notices_a_drafter_that_starts_helping():
 def learned_plain_decoding() -> AdaptiveBlock:
     """A policy that measured block 1 far cheaper than block 16 and saw no draft accepted."""
     policy = AdaptiveBlock(16)
-    policy.record(16, 1, 1.0)
-    policy.record(1, 1, 0.001)
+    policy.record(Cycle(15, 0, 1.0))
+    policy.record(Cycle(0, 0, 0.001))
     return policy
 
 
@@ -194,11 +200,11 @@ def test_a_sampling_policy_ignores_the_clock():
     for timing in (lambda n: 1.0, lambda n: 1e-3 * n**3):
         policy, rng, sizes = AdaptiveBlock(16, fixed_costs=costs), random.Random(3), []
         for _ in range(200):
-            n = policy.next_block_size()
+            n = policy.plan() + 1
             accepted = 0
             while accepted < n - 1 and rng.random() < WEAK[accepted]:
                 accepted += 1
-            policy.record(n, accepted + 1, timing(n))
+            policy.record(Cycle(n - 1, accepted, timing(n)))
             sizes.append(n)
         chosen.append(sizes)
     assert chosen[0] == chosen[1]
@@ -268,12 +274,12 @@ def simulate_tree(policy, kinds, cycles: int = 600, seed: int = 0):
     for _ in range(cycles):
         kind = rng.choice(kinds)
         probabilities, accepted = tree_cycle(rng, *kind)
-        if policy is None or not policy.draft_next():
+        if policy is None or not policy.plan():
             budget, cost = None, 1.0
         else:
-            budget = policy.budget(probabilities) if policy else len(probabilities)
+            budget = policy.fit(probabilities)
             cost = drafted(budget + 1)
-            policy.record(probabilities[:budget], min(accepted, budget), cost)
+            policy.record(Cycle(budget, min(accepted, budget), cost, probabilities[:budget]))
         tokens += 1 + min(accepted, budget or 0)
         spent += cost
         chosen[kind].append(budget)
@@ -330,11 +336,11 @@ def test_tree_calibration_follows_an_overconfident_drafter():
 
 def test_tree_costs_are_measured_per_size_and_the_first_tree_is_the_largest():
     policy = AdaptiveTree(8)
-    assert policy.draft_next() and policy.budget([0.5] * 8) == 8
-    policy.record([0.5] * 8, 0, 2.0)
+    assert policy.plan() == 8 and policy.fit([0.5] * 8) == 8
+    policy.record(Cycle(8, 0, 2.0, [0.5] * 8))
     assert policy.seconds == {9: 2.0}
-    policy.draft_next()
-    assert policy.budget([0.5] * 8) == 0  # costed proportionally below 9: verify the root
-    policy.record([], 0, 1.0)
+    policy.plan()
+    assert policy.fit([0.5] * 8) == 0  # costed proportionally below 9: verify the root
+    policy.record(Cycle(0, 0, 1.0, []))
     assert policy.seconds == {9: 2.0, 1: 1.0}
-    assert not policy.draft_next()  # after the root alone was best, plain steps
+    assert not policy.plan()  # after the root alone was best, plain steps

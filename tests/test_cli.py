@@ -14,7 +14,7 @@ import pytest
 from helpers import copy_dir, mlx_lm_greedy
 from test_generate import oracle_for
 
-from dflash_mlx import cli
+from dflash_mlx import GenerationSettings, cli
 from dflash_mlx.chat import Chat
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 
@@ -94,7 +94,9 @@ def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pai
 
 def test_chat_template_config_reaches_every_turn(loaded, capsys):
     model, tokenizer, draft = loaded("llama-tools")
-    chat = Chat(model, tokenizer, draft, {"max_tokens": 4}, None, True, {"style": "terse"})
+    chat = Chat(
+        model, tokenizer, draft, GenerationSettings(max_tokens=4), None, True, {"style": "terse"}
+    )
     chat.ask("How many apples?")
     text = chat_prompt(tokenizer, chat.messages[:1], style="terse")
     assert "(terse)" in text
@@ -305,7 +307,7 @@ def test_chat_ctrl_c_at_the_prompt_is_not_lost_before_the_read_starts(make_pair)
 
 def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    chat = Chat(model, tokenizer, draft, {"max_tokens": 12}, "Be brief.", reuse)
+    chat = Chat(model, tokenizer, draft, GenerationSettings(max_tokens=12), "Be brief.", reuse)
     for text in ("How many apples?", "Alice has 3 apples", "def add(a, b):"):
         chat.ask(text)
     new = [int(n) for n in re.findall(r"\((\d+) new\)", capsys.readouterr().out)]
@@ -316,7 +318,9 @@ def test_chat_reports_the_known_tau_of_an_oracle_drafter(loaded, capsys):
     model, tokenizer, draft = loaded("llama-untied-mha")
     ids = tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}]))
     oracle, tau = oracle_for(model, tokenizer, draft, ids, 21, 4)
-    Chat(model, tokenizer, oracle, {"max_tokens": 21, "block_size": 4}, None, True).ask("Alice has")
+    Chat(model, tokenizer, oracle, GenerationSettings(max_tokens=21, block_size=4), None, True).ask(
+        "Alice has"
+    )
     assert f"τ {tau:.2f}, 100% accepted" in capsys.readouterr().out
 
 
@@ -336,7 +340,14 @@ def test_chat_overlong_conversation_is_a_message_not_a_crash(make_pair, workdir,
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     model, tokenizer = dflash_mlx.load(small)
-    chat = Chat(model, tokenizer, dflash_mlx.load_draft(draft_dir), {"max_tokens": 500}, None, True)
+    chat = Chat(
+        model,
+        tokenizer,
+        dflash_mlx.load_draft(draft_dir),
+        GenerationSettings(max_tokens=500),
+        None,
+        True,
+    )
     chat.ask("hello")  # the answer is cut at the context's end
     assert chat.turns[-1].tokens + chat.turns[-1].last.prompt_tokens <= 64
     chat.ask("How many apples? " * 4)

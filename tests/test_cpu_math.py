@@ -10,8 +10,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 
-from dflash_mlx import cpu_math
-from dflash_mlx.target import TargetAdapter, _rebound_class
+from dflash_mlx import backends, cpu_math
+from dflash_mlx.target import TargetAdapter
 
 FLOAT32_ULP = 2.0**-23
 
@@ -77,13 +77,16 @@ def test_attention_equals_mlx_fast_sdpa(mask, heads):
 
 
 def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
-    mlp, attention = _rebound_class(llama.MLP, "cpu"), _rebound_class(llama.Attention, "cpu")
+    mlp, attention = (
+        backends.verify_class(llama.MLP, "cpu"),
+        backends.verify_class(llama.Attention, "cpu"),
+    )
     assert issubclass(mlp, llama.MLP) and issubclass(attention, llama.Attention)
     assert mlp.__call__.__globals__["swiglu"] is cpu_math.swiglu
     assert llama.MLP.__call__.__globals__["swiglu"] is swiglu  # mlx-lm's module is untouched
     assert llama.swiglu is swiglu
-    assert _rebound_class(nn.Linear, "cpu") is None  # calls neither
-    assert _rebound_class(nn.Module, "cpu") is None  # no __call__ of its own
+    assert backends.verify_class(nn.Linear, "cpu") is None  # calls neither
+    assert backends.verify_class(nn.Module, "cpu") is None  # no __call__ of its own
 
     class OwnSwiGLU(nn.Module):  # a global of another name or meaning is left alone
         def __call__(self, x):
@@ -92,7 +95,7 @@ def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
     def swiglu_like(x):
         return x
 
-    assert _rebound_class(OwnSwiGLU, "cpu") is None
+    assert backends.verify_class(OwnSwiGLU, "cpu") is None
 
 
 def test_a_verify_mlp_computes_what_mlx_lms_does():
@@ -101,7 +104,7 @@ def test_a_verify_mlp_computes_what_mlx_lms_does():
     mlp = llama.MLP(args)
     x = mx.random.normal((1, 7, 64))
     plain = mlp(x)
-    mlp.__class__ = _rebound_class(llama.MLP, "cpu")
+    mlp.__class__ = backends.verify_class(llama.MLP, "cpu")
     assert mx.allclose(mlp(x), plain, atol=1e-5)
 
 
@@ -109,7 +112,7 @@ def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
     model, _, _ = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
     target.forward(mx.array([5, 9, 33]), target.make_cache())
-    swaps = target._verify_swaps["cpu"]
+    swaps = target.verify_swaps(3)
     counts = {
         name: sum(v.__name__ == name for _, _, v in swaps)
         for name in {v.__name__ for _, _, v in swaps}
@@ -134,7 +137,7 @@ def test_a_one_position_forward_is_mlx_lms_bit_for_bit_with_compiled_norms_and_r
     for token in (5, 3, 5, 8):  # at offsets 8-11: one trace serves every offset
         mine = target.forward(mx.array([token]), ours)
         assert mx.array_equal(mine, model(mx.array([[token]]), cache=theirs)[0])
-    kinds = {v.__name__ for _, _, v in target._verify_swaps["cpu step"]}
+    kinds = {v.__name__ for _, _, v in target.verify_swaps(1)}
     assert kinds == {"CompiledRMSNorm", "CompiledRoPE"}  # mlx-lm's attention and MLP as they are
 
 
@@ -198,14 +201,15 @@ def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(
     for swapping in (True, False):
         draft_cache = draft.make_cache()
         draft.append_context(features, draft_cache)
-        norms = draft.block_norms if swapping else []
-        with cpu_math.compiled(norms):  # [] leaves every module's class as it is
-            assert {type(m).__name__.startswith("Compiled") for m in norms} <= {True}
+        swaps = draft.block_swaps("cpu") if swapping else []
+        norms = [m for m, _, _ in draft.block_swaps("cpu")]
+        with backends.building(swaps):  # [] leaves every module's class as it is
+            assert {type(m).__name__.startswith("Compiled") for m, _, _ in swaps} <= {True}
             hidden = draft(draft.embed_blocks(target.embed_tokens, block[None]), draft_cache)
         results.append(hidden)
-    kinds = {type(m).__name__ for m in draft.block_norms}
+    kinds = {type(m).__name__ for m in norms}
     assert kinds == {"RMSNorm", "RoPE"}  # every class is back
-    assert len(draft.block_norms) == 5 * len(draft.layers) + 1  # 4 norms and a RoPE a layer
+    assert len(norms) == 5 * len(draft.layers) + 1  # 4 norms and a RoPE a layer
     assert mx.array_equal(*results)
 
 

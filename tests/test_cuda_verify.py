@@ -16,7 +16,7 @@ from helpers import reference_greedy
 from test_families import FAMILIES, PROMPT, build, first_difference
 from test_generate import OracleDraft
 
-from dflash_mlx import stream_generate
+from dflash_mlx import backends, stream_generate
 from dflash_mlx import target as target_module
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.kernels import cuda as cuda_kernels
@@ -48,7 +48,7 @@ def as_cuda(monkeypatch):
         calls.append(np.array(visible))
         return stand_in(queries, keys, values, visible, scale)
 
-    monkeypatch.setattr(target_module, "verify_backend", lambda: "cuda")
+    monkeypatch.setattr(backends, "current", lambda: "cuda")
     monkeypatch.setattr(cuda_kernels, "verify_attention", recording)
     return calls
 

@@ -290,7 +290,8 @@ def test_sampled_walk_keeps_speculative_sampling_exact():
         verdict: Verdict = verifier.verify(tokens, logq, target)
         m = verdict.matches.tolist()
         n = 0 if not m[0] else 1 if not m[1] else 2
-        emitted = tokens.tolist()[:n] + [verdict.token_after(n)]
+        assert verdict.accepted.item() == n
+        emitted = tokens.tolist()[:n] + [verdict.token.item()]
         if n == 0:  # the second token would come from the next cycle: draw it from p
             emitted.append(int(rng.choice(vocab, p=p2[emitted[0]])))
         pairs.append(emitted[:2])

@@ -149,7 +149,8 @@ def test_restricted_head_equals_the_full_heads_columns(kind):
 def test_draft_head_is_the_full_head_without_a_vocab(loaded):
     model, _, _ = loaded("llama-untied-mha")
     target = TargetAdapter(model)
-    assert target.draft_head(None) is target.lm_head
+    head = target.draft_head(None)
+    assert head.token_ids is None and head.rows is target.lm_head
     with pytest.raises(ValueError, match="draft vocabulary"):
         RestrictedHead(target.head, [target.vocab_size])
 

@@ -80,7 +80,8 @@ def test_speculative_verify_emits_the_target_distribution():
         verdict = verifier.verify(drafts, q_log, p_log)
         d, m = drafts.tolist(), verdict.matches.tolist()
         n = 0 if not m[0] else 1 if not m[1] else 2
-        tokens = d[:n] + [verdict.token_after(n)]
+        assert verdict.accepted.item() == n
+        tokens = d[:n] + [verdict.token.item()]
         first.append(tokens[0])
         if n >= 1:
             second.append(tokens[1])
@@ -200,7 +201,8 @@ def test_speculative_sampling_with_a_processor_emits_the_processed_distribution(
         verdict = verifier.verify(drafts, q_logprobs, p_logits, context)
         d, m = drafts.tolist(), verdict.matches.tolist()
         n = 0 if not m[0] else 1 if not m[1] else 2
-        tokens = d[:n] + [verdict.token_after(n)]
+        assert verdict.accepted.item() == n
+        tokens = d[:n] + [verdict.token.item()]
         first.append(tokens[0])
         if n >= 1:
             after[d[0]].append(tokens[1])

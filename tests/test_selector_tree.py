@@ -20,7 +20,7 @@ from dflash_mlx.sampling import make_verifier
 from dflash_mlx.tree import Tree, build_selector_tree, ranked_edges
 
 dflash2_pair = test_dflash2.dflash2_pair  # its fixture, shared
-loop = importlib.import_module("dflash_mlx.generate")  # the package exports a `generate` too
+drafter = importlib.import_module("dflash_mlx.draft")
 VOCAB, K, RANK, STEPS = 12, 4, 4, 4
 
 
@@ -157,7 +157,7 @@ def spied_trees(monkeypatch) -> list[Tree]:
         trees.append(build_selector_tree(*args))
         return trees[-1]
 
-    monkeypatch.setattr(loop, "build_selector_tree", spy)
+    monkeypatch.setattr(drafter, "build_selector_tree", spy)
     return trees
 
 

@@ -20,6 +20,7 @@ from test_cli import decode_greedy, greedy_text
 from test_generate import oracle_for
 from test_stops import stop_in
 
+from dflash_mlx import GenerationSettings
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 from dflash_mlx.server import Worker, create_app
 
@@ -458,7 +459,7 @@ def test_chat_template_is_rendered_off_the_event_loop(make_pair, loaded):
         return render(*args, **kwargs)
 
     tokenizer.apply_chat_template = slow_template
-    worker = Worker(model, tokenizer, draft, {"max_tokens": 8})
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=8))
     with serving(worker) as port:
         body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}]}).encode()
         reply = in_background(post, port, "/v1/chat/completions", body)
@@ -474,7 +475,7 @@ def test_chat_template_is_rendered_off_the_event_loop(make_pair, loaded):
 
 def test_full_wait_queue_answers_503_with_retry_after(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    worker = Worker(model, tokenizer, draft, {"max_tokens": 6}, max_queue=1)
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=6), max_queue=1)
     with serving(worker) as port:
         busy = threading.Event()
         worker.executor.submit(busy.wait)  # the model is busy until we say
@@ -527,7 +528,7 @@ def test_server_reports_the_known_tau_of_an_oracle_drafter(loaded):
     model, tokenizer, draft = loaded("llama-untied-mha")
     prompt = [5, 17, 33, 80, 120]
     oracle, tau = oracle_for(model, tokenizer, draft, prompt, 25, 4)
-    worker = Worker(model, tokenizer, oracle, {"max_tokens": 25, "block_size": 4})
+    worker = Worker(model, tokenizer, oracle, GenerationSettings(max_tokens=25, block_size=4))
     with serving(worker) as port:
         status, reply = post(port, "/v1/completions", json.dumps({"prompt": prompt}).encode())
     assert status == 200
@@ -556,11 +557,11 @@ def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
 
 CLOSED_WORKER = """
 import sys
-from dflash_mlx import load, load_draft
+from dflash_mlx import GenerationSettings, load, load_draft
 from dflash_mlx.server import Job, Worker
 
 model, tokenizer = load(sys.argv[1])
-worker = Worker(model, tokenizer, load_draft(sys.argv[2]), {"max_tokens": 8})
+worker = Worker(model, tokenizer, load_draft(sys.argv[2]), GenerationSettings(max_tokens=8))
 for kwargs in ({}, {"tree_budget": 4}):  # compiled norms, RoPE and exps on the worker thread
     job = Job(prompt=list(range(5, 30)), kwargs=kwargs)
     worker.executor.submit(lambda: list(worker.generate(job))).result()

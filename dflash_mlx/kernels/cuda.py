@@ -18,7 +18,7 @@ more rows with cuBLAS, which costs 1.4-2.5x the GEMV at 2-16 rows of Qwen3-8B's
 attention projections and sets up a cuBLAS plan on the host at every call. The few-rows
 kernel streams the weight once through tensor-core MMAs (m16n8k16, fp32 sums) for up to 16
 rows; verify and draft forwards on CUDA take it for their linear layers and LM heads
-(`FewRowsLinear`, `few_rows_linears`). Interleaved on an H100 it made the 16-position verify
+(`FewRowsLinear`, `backends.block_swaps`). Interleaved on an H100 it made the 16-position verify
 forward and the drafter's forward 14-18 % cheaper (benchmarks/README.md, "The few-rows
 kernel on an H100").
 
@@ -28,14 +28,12 @@ they take.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..swaps import swapped
 from . import requested_backend
 
 THREADS = 256  # 8 warps per (query, head)
@@ -364,7 +362,7 @@ def times_transposed(x: mx.array, weight: mx.array) -> mx.array:
 
 class FewRowsLinear(nn.Linear):
     """`nn.Linear` whose products over 2..16 rows take the few-rows kernel: the class of a
-    layer with a `few_rows_weight` while a graph is built on CUDA (`few_rows_linears`, the
+    layer with a `few_rows_weight` while a graph is built on CUDA (`backends.block_swaps`, the
     verify forward's swaps). Graph building is on the critical path of a cycle, so the
     weight is checked once, at the swap, and each call only checks x."""
 
@@ -396,15 +394,8 @@ def few_rows_class(module: nn.Module) -> type | None:
 
 def plain_linears(modules: list[nn.Module]) -> list[nn.Module]:
     """The `nn.Linear` layers (that class exactly: not quantized, not sharded) in `modules`,
-    for `few_rows_linears`: found once, not at every forward."""
+    for `backends.block_swaps`: found once, not at every forward."""
     return [m for module in modules for m in module.modules() if type(m) is nn.Linear]
-
-
-def few_rows_linears(linears: list[nn.Module]) -> AbstractContextManager:
-    """While a graph is built: `linears` (`plain_linears`) take the few-rows kernel where it
-    runs (`enabled`); elsewhere nothing changes."""
-    on = enabled()
-    return swapped([(m, nn.Linear, FewRowsLinear) for m in linears if on and few_rows_class(m)])
 
 
 @cache

@@ -466,7 +466,9 @@ def decode_tau(
     taus, block = [], draft.config.block_size
     for ids in prompts:
         tokens, cycles = 0, 0
-        for r in stream_generate(model, draft, tokenizer, ids, block, max_tokens=max_tokens):
+        for r in stream_generate(
+            model, draft, tokenizer, ids, block_size=block, max_tokens=max_tokens
+        ):
             tokens, cycles = r.generation_tokens, cycles + 1
         taus.append((tokens - 1) / max(cycles - 1, 1))
     return float(np.mean(taus))

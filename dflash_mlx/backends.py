@@ -1,0 +1,138 @@
+"""Which code a forward takes on this backend: the one place that decides.
+
+`current()` names the backend: "cpu" (MLX's CPU: `cpu_math`'s vectorised exps
+and compiled norms and RoPEs), "cuda" (MLX's CUDA backend with this package's
+kernels: the verify-attention kernel and the few-rows products of
+`kernels/cuda.py`), or None (Metal, or DFLASH_MLX_KERNELS=reference on CUDA:
+mlx-lm's and MLX's code as it is). The target's verify forward
+(`TargetAdapter.forward`) and the drafter's block (`DFlashDraft`) ask here for
+their swaps (`swaps.py`): modules change class while a graph is built, so the
+model code runs unchanged and other models see mlx-lm's classes.
+
+On the CPU, MLX's `exp` is scalar: over 16 positions and a long context the
+SwiGLUs' and softmaxes' exps are a large part of a verify forward, so the modules
+calling mlx-lm's `swiglu` or `scaled_dot_product_attention` take `cpu_math`'s;
+norms and RoPEs run compiled in every forward, one position included (mlx-lm's
+bits from fewer ops). On CUDA, MLX sends 4 or more bf16/fp16 queries to cuDNN,
+whose graphs are cached by shape while every cycle has more keys than the last:
+attention takes the verify kernel, and plain linear layers and the LM head the
+few-rows kernel in place of cuBLAS (measurements: benchmarks/README.md, "cpu_math",
+"Compiled norms and RoPE", "Verify forward on an H100").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+from . import cpu_math
+from .kernels import cuda as cuda_kernels
+from .swaps import Swap, rebound_class, swapped
+
+PATHS = {
+    "cpu": "cpu_math exps, compiled norms and RoPE",
+    "cuda": "CUDA verify-attention and few-rows product kernels",
+    None: "mlx-lm's forward",
+}
+
+
+def current() -> str | None:
+    """ "cpu", "cuda" or None: see the module docstring."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if cuda_kernels.enabled():
+        return "cuda"
+    return None
+
+
+def _cpu_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` with `cpu_math`'s softmax where it applies."""
+    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return cpu_math.attention(queries, keys, values, scale, mask)
+
+
+def _cuda_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention`, with the CUDA verify kernel for a causal block
+    (MLX's semantics: the last n keys are the block's) and for a tree over a plain KV cache."""
+    tree = getattr(cache, "_dflash_tree", None)
+    usable = (
+        sinks is None
+        and not hasattr(cache, "bits")
+        and cuda_kernels.supports(queries, keys, values)
+    )
+    if usable and tree is None and isinstance(mask, str) and mask == "causal":
+        visible = cuda_kernels.causal(queries.shape[2])
+    elif usable and tree is not None and isinstance(cache, KVCache):
+        visible = tree.visible  # the whole cache is visible to every node, and its ancestors
+    else:
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return cuda_kernels.verify_attention(queries, keys, values, visible, scale)
+
+
+# A module whose `__call__` calls these mlx-lm functions (as globals of its own module)
+# calls the replacements instead during a verify forward on that backend.
+REPLACEMENTS = {
+    "cpu": {
+        "swiglu": (swiglu, cpu_math.swiglu),
+        "scaled_dot_product_attention": (scaled_dot_product_attention, _cpu_sdpa),
+    },
+    "cuda": {"scaled_dot_product_attention": (scaled_dot_product_attention, _cuda_sdpa)},
+}
+TAGS = {"cpu": "CpuMath", "cuda": "CudaVerify"}
+
+
+def verify_class(cls: type, backend: str) -> type | None:
+    """The class a module of class `cls` takes in a verify forward on `backend` for the
+    functions it calls, or None when it calls none that backend replaces."""
+    return rebound_class(cls, REPLACEMENTS[backend], TAGS[backend])
+
+
+def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) -> list[Swap]:
+    """The swaps of a target forward over `positions` on `backend`, for the modules inside
+    `modules` (None: another pipeline rank's layer): on the CPU the norms and RoPEs
+    (compiled) and, over several positions, SwiGLU and SDPA; on CUDA, over several
+    positions, SDPA and the plain linear layers and LM head (`kernels.cuda.few_rows_class`).
+    """
+    several = positions > 1
+    swaps = []
+    for module in filter(None, modules):
+        for m in module.modules():
+            if backend == "cuda" and several and (few := cuda_kernels.few_rows_class(m)):
+                swaps.append((m, type(m), few))
+            elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
+                swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
+            elif several and backend in REPLACEMENTS and (verify := verify_class(type(m), backend)):
+                swaps.append((m, type(m), verify))
+    return swaps
+
+
+def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
+    """The swaps of the drafter's block (2-16 rows) on `backend`: on the CPU its norms and
+    RoPEs run compiled, on CUDA its plain linear layers take the few-rows kernel."""
+    if backend == "cpu":
+        return [
+            (m, type(m), cpu_math.COMPILED_CLASSES[type(m)])
+            for m in cpu_math.compiled_modules(modules)
+        ]
+    if backend == "cuda":
+        return [
+            (m, nn.Linear, cuda_kernels.FewRowsLinear)
+            for m in cuda_kernels.plain_linears(modules)
+            if cuda_kernels.few_rows_class(m)
+        ]
+    return []
+
+
+@contextmanager
+def building(swaps: list[Swap]) -> Iterator[None]:
+    """While a graph is built: `swaps` in place, and the RoPEs of the forward sharing one
+    table of cosines and sines (`cpu_math.shared_rope_tables`)."""
+    with swapped(swaps), cpu_math.shared_rope_tables():
+        yield

@@ -1,0 +1,229 @@
+"""One verify cycle, two ways: a chain (`ChainStep`) or a tree (`TreeStep`).
+
+A step has two halves. `launch` queues a cycle's work on the last committed
+token: the proposer's drafts and the target's verify forward, with the verdict
+computed on the device. `settle` reads the verdict (once), commits the accepted
+tokens, trims the target's caches back to them and hands the proposer the
+target's features of the kept positions. The loop (`loop.py`) yields the last
+commit between the two, so a backend that runs ahead computes the cycle while the
+host streams the previous one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from .adaptive import AdaptiveBlock, AdaptiveTree, Cycle
+from .prompt_cache import PromptCache
+from .proposers import Proposer
+from .rollback import keep_path
+from .sampling import Verdict, Verifier
+from .target import TargetAdapter
+from .tree import Tree, ancestor_mask, walk
+
+
+@dataclass
+class Commit:
+    """Tokens a cycle commits, the target's logits at their positions (after the logits
+    processors), the drafts accepted and proposed, why the reply ends (None, "stop",
+    "length"), the next cycle if it was launched already (`queued`), and for the
+    prefill's commit the prompt positions it ran (`prefilled`)."""
+
+    tokens: list[int]
+    logits: mx.array
+    accepted: int = 0
+    proposed: int = 0
+    finish: str | None = None
+    queued: Any = None
+    prefilled: int = 0
+
+
+class Sequence:
+    """One reply's state that its steps share: the target, the prompt cache (its target
+    caches, `cache`, and the tokens they hold, `tokens`), the proposer and the verifier."""
+
+    def __init__(
+        self,
+        target: TargetAdapter,
+        prompt_cache: PromptCache,
+        proposer: Proposer,
+        verifier: Verifier,
+    ):
+        self.target, self.prompt_cache, self.cache = target, prompt_cache, prompt_cache.target
+        self.proposer, self.verifier = proposer, verifier
+        self.features: dict[int, mx.array] = {}
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_cache.tokens
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Record the target layers the proposer taps on every forward through `cache`."""
+        if not self.proposer.layer_ids:
+            yield
+            return
+        with self.target.capture(self.proposer.layer_ids, self.cache) as self.features:
+            yield
+
+    def keep(self, rows: int | list[int] | None) -> None:
+        """Hand the proposer the features of the last forward's first `rows` positions (all:
+        None; a tree's accepted path: its node indices)."""
+        layer_ids = self.proposer.layer_ids
+        if layer_ids:
+            features = mx.concatenate([self.features[i] for i in layer_ids], axis=-1)
+            index = mx.array(rows) if isinstance(rows, list) else slice(rows)
+            self.proposer.observe(features[:, index])
+
+
+class Step(Protocol):
+    def launch(self, root: int, remaining: int) -> Any:
+        """Queue the cycle after `root` (verifying at most `remaining` positions)."""
+
+    def settle(self, pending: Any, remaining: int, started: float) -> Commit:
+        """Read the cycle and commit what was accepted; `started`: when the last one ended."""
+
+    def cancel(self, pending: Any) -> None:
+        """Drop a cycle `settle` queued (`Commit.queued`) that the reply no longer needs;
+        only steps that queue are asked."""
+
+
+@dataclass
+class PendingChain:
+    """A chain cycle on the device: `size` positions verified after `root` (None until the
+    host has read it, for a cycle queued on a token still on the device)."""
+
+    root: int | None
+    size: int
+    drafts: mx.array
+    verdict: Verdict
+
+
+class ChainStep:
+    """Verify [root] + `block_size` - 1 drafts (or the policy's size) as one chain."""
+
+    def __init__(self, seq: Sequence, block_size: int, policy: AdaptiveBlock | None = None):
+        self.seq, self.block_size, self.policy = seq, block_size, policy
+
+    def launch(self, root: int | mx.array, remaining: int) -> PendingChain:
+        seq = self.seq
+        n = min(self.policy.plan() + 1 if self.policy else self.block_size, remaining)
+        root_id = mx.array([root]) if isinstance(root, int) else root
+        context = seq.tokens + [root] if seq.verifier.processors else None
+        if n > 1:
+            drafts, logq = seq.proposer.chain(root_id, n - 1, context)
+            verify = mx.concatenate([root_id, drafts.astype(root_id.dtype)])
+        else:
+            drafts, logq, verify = mx.array([], dtype=mx.uint32), None, root_id
+        logits = seq.target.forward(verify, seq.cache)
+        verdict = seq.verifier.verify(drafts, logq, logits, context)
+        mx.async_eval(drafts, verdict.accepted, verdict.token)
+        return PendingChain(root if isinstance(root, int) else None, n, drafts, verdict)
+
+    def settle(self, pending: PendingChain, remaining: int, started: float) -> Commit:
+        seq, n, verdict = self.seq, pending.size, pending.verdict
+        queued = None
+        if n == 1 and remaining > 1 and not seq.verifier.processors:
+            # A plain step keeps its input position whatever token it computes: book it and
+            # queue the next cycle on that token (still on the device) before the host reads
+            # it, as mlx-lm's decoding does, so that on a GPU building the next graph
+            # overlaps this step's computation.
+            seq.target.rollback(seq.cache, 0)
+            seq.keep(1)
+            seq.tokens.append(pending.root)
+            queued = self.launch(verdict.token[None].astype(mx.int32), remaining - 1)
+        read = [pending.drafts.astype(mx.int32), verdict.accepted[None], verdict.token[None]]
+        *drafts, accepted, token = mx.concatenate([a.astype(mx.int32) for a in read]).tolist()
+        if queued:
+            queued.root = token
+        if self.policy:
+            self.policy.record(Cycle(n - 1, accepted, time.perf_counter() - started))
+        if not queued:
+            seq.target.rollback(seq.cache, n - accepted - 1)
+            seq.keep(accepted + 1)
+            seq.tokens.extend([pending.root, *drafts[:accepted]])
+        logits = verdict.logits[: accepted + 1]
+        return Commit(drafts[:accepted] + [token], logits, accepted, n - 1, queued=queued)
+
+    def cancel(self, pending: PendingChain) -> None:
+        self.seq.target.rollback(self.seq.cache, pending.size)
+
+
+@dataclass
+class PendingTree:
+    """A tree cycle on the device: the tree, the cache offset it starts at, the target's
+    logits, its choices (None with logits processors: those are made during the walk) and
+    whether the proposer drafted the tree (else it is the root alone)."""
+
+    tree: Tree
+    start: int
+    logits: mx.array
+    choices: mx.array | None
+    proposed: bool
+
+
+class TreeStep:
+    """Verify a tree of up to `budget` draft tokens, at most `max_depth` deep, in one
+    forward; commit the path the target's own choices walk down (`tree.py`)."""
+
+    def __init__(
+        self, seq: Sequence, budget: int, max_depth: int, policy: AdaptiveTree | None = None
+    ):
+        self.seq, self.budget, self.max_depth, self.policy = seq, budget, max_depth, policy
+
+    def launch(self, root: int, remaining: int) -> PendingTree:
+        seq, policy = self.seq, self.policy
+        drafting = not policy or policy.plan() > 0
+        depth = min(self.max_depth if drafting else 0, remaining - 1, self.budget)
+        tree = Tree([root], [-1], [0])
+        if depth > 0:
+            tree = seq.proposer.tree(root, depth, self.budget)
+            if policy:
+                tree = tree.first(policy.fit(tree.probabilities()) + 1)
+        start = seq.cache[0].offset
+        with seq.target.tree_attention(seq.cache, tree.depths, ancestor_mask(tree.parents)):
+            logits = seq.target.forward(mx.array(tree.tokens), seq.cache)
+        # The target's own choice at every node: its argmax, or its sample (a node is then
+        # accepted when the target's sample at its parent is the node's token: every
+        # committed token is the target's own sample, so the output is exact in distribution).
+        # Logits processors see each node's own path: its choice is made during the walk.
+        choices = None if seq.verifier.processors else seq.verifier.propose(logits)[0]
+        mx.async_eval(logits if choices is None else choices)
+        return PendingTree(tree, start, logits, choices, depth > 0)
+
+    def settle(self, pending: PendingTree, remaining: int, started: float) -> Commit:
+        seq, tree, logits = self.seq, pending.tree, pending.logits
+        processed: dict[int, mx.array] = {}
+
+        def choose_processed(node: int) -> int:
+            context = seq.tokens + [tree.tokens[n] for n in tree.path(node)]
+            row = seq.verifier.process(logits[node : node + 1], context, mx.array([], mx.uint32))
+            processed[node] = row
+            return seq.verifier.propose(row)[0].item()
+
+        choices = pending.choices
+        path, after = walk(
+            tree, choose_processed if choices is None else choices.tolist().__getitem__
+        )
+        if processed:
+            logits = mx.concatenate([processed[node] for node in path])
+        else:
+            logits = logits[mx.array(path)]
+        if pending.proposed:
+            seq.proposer.verified(tree, path)
+        keep_path(seq.cache, pending.start, path)
+        seq.keep(path)
+        tokens = [tree.tokens[node] for node in path]
+        seq.tokens.extend(tokens)
+        accepted = len(path) - 1
+        if self.policy:
+            probabilities = tree.probabilities()
+            seconds = time.perf_counter() - started
+            self.policy.record(Cycle(len(tree) - 1, accepted, seconds, probabilities))
+        return Commit(tokens[1:] + [after], logits, accepted, len(tree) - 1)
