@@ -66,7 +66,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # isort: on
 
-from dflash_mlx import TargetAdapter, load, load_draft, stream_generate
+from dflash_mlx import GenerationResponse, TargetAdapter, load, load_draft, stream_generate
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.tree import ancestor_mask, build_tree, top_candidates
 
@@ -357,20 +357,22 @@ class CycleCost:
         )
         return median_gap_ms([time.perf_counter() for _ in responses])
 
+    def stamped(self, max_tokens: int, **settings) -> list[tuple[float, GenerationResponse]]:
+        """The loop's responses at the block size, each with the time it arrived."""
+        responses = stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            self.prompt,
+            block_size=self.block,
+            max_tokens=max_tokens,
+            **settings,
+        )
+        return [(time.perf_counter(), r) for r in responses]
+
     def tree_cycle(self, budget: int, max_tokens: int) -> tuple[float, float]:
         """Median ms of a tree cycle at `budget` and the mean tokens it accepted."""
-        stamps = [
-            (time.perf_counter(), r)
-            for r in stream_generate(
-                self.model,
-                self.draft,
-                self.tokenizer,
-                self.prompt,
-                block_size=self.block,
-                max_tokens=max_tokens,
-                tree_budget=budget,
-            )
-        ]
+        stamps = self.stamped(max_tokens, tree_budget=budget)
         gaps = [(t1 - t0, r.accepted) for (t0, _), (t1, r) in zip(stamps[1:], stamps[2:])]
         return 1e3 * statistics.median(t for t, _ in gaps), statistics.mean(a for _, a in gaps)
 
@@ -392,17 +394,7 @@ class CycleCost:
         Response k+1 reports the cycle whose result the loop waits for between
         responses k and k+1; the last cycles are shorter when max_tokens cuts them.
         """
-        stamps = [
-            (time.perf_counter(), r)
-            for r in stream_generate(
-                self.model,
-                self.draft,
-                self.tokenizer,
-                self.prompt,
-                block_size=self.block,
-                max_tokens=max_tokens,
-            )
-        ]
+        stamps = self.stamped(max_tokens)
         full = [
             (t1 - t0, r.accepted)
             for (t0, _), (t1, r) in zip(stamps[1:], stamps[2:])

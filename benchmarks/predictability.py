@@ -19,7 +19,7 @@ prints, per category:
 τ is given along the decoding walk (tokens / cycles, as the bench counts it) and,
 for the drafter, also as the mean over all anchors, which is higher: a long easy
 run is one cycle in decoding but many anchors in the mean (the trainer's
-validation reports both since session 4; before, only the mean over anchors).
+validation reports both; it once reported only the mean over anchors).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Per prompt and setting, interleaved: mlx-lm's `stream_generate` with its `make_s
 this project's loop as it runs by default (block sizes chosen from the acceptance against
 the backend's fixed cycle costs, top-p sorted by numpy on the CPU, the full-vocabulary
 normalisations through `cpu_math`'s exp on the CPU); and the same loop normalising with
-`mx.logsumexp` ("mlx exp", the default before session 5). Each run starts from the same
+`mx.logsumexp` ("mlx exp", the default before `cpu_math`). Each run starts from the same
 seed; the default one runs twice to check that a seeded sampled run is reproducible.
 Reports median decode tok/s and the ratio to mlx-lm.
 """

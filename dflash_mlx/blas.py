@@ -6,8 +6,8 @@ imported makes MLX's `cblas_sgemm` calls resolve to it (~135-210 GF/s).
 
 It cannot happen later, on first use: Python loads extension modules with
 RTLD_NOW, so MLX's library resolves its BLAS symbols when `mlx.core` is first
-imported, and a library loaded after that is never consulted (a 1024² matmul
-here: 28 ms with OpenBLAS bound first, 312 ms bound after mlx, 358 ms never).
+imported, and a library loaded after that is never consulted (benchmarks/README.md,
+"Import order").
 So `dflash_mlx/__init__.py` calls `use_fast_cpu()` before anything imports mlx,
 and a program must import dflash_mlx before mlx; otherwise everything works on
 MLX's bundled BLAS, and `active_blas()` (`dflash-mlx info`) says why. Set

@@ -125,15 +125,9 @@ class RecurrentCache(ArraysCache):
     Qwen3.5-27B, times 16 positions). A fully accepted block costs nothing:
     the verify's own state is already right.
 
-    Measured (`python benchmarks/rollback_cost.py`, fp32 CPU, 2 shared cores),
-    rollback keeping m of 16 verified positions vs the verify forward, on a
-    SmolLM2-sized Qwen3.5 (hidden 576, 30 layers, 23 of them GatedDeltaNet):
-    verify 319 ms; m = 1: 34 ms (11 %), m = 8: 84 ms (26 %), m = 15: 115 ms
-    (36 %); m = 16: 0. On the CPU mlx-lm runs the recurrence one position at a
-    time (~90 us per position and layer here), which dominates the replay. On
-    Metal the recurrence is one kernel for all positions and the replay mostly
-    re-reads in_proj_qkv/a/b of the GatedDeltaNet layers: ~10 % of the verify's
-    weight bytes for Qwen3.5-27B (an estimate; no Metal here).
+    On the CPU the replay costs a tenth to a third of the verify forward, as
+    mlx-lm runs the recurrence one position at a time there (benchmarks/README.md,
+    "Recurrent rollback cost (hybrid Qwen3.5 targets)").
     """
 
     def __init__(self, size: int):
