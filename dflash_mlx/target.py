@@ -209,7 +209,7 @@ class RestrictedHead:
         self.head, self.token_ids, self.ids = head, list(token_ids), mx.array(token_ids)
         self.weights = {n: w[self.ids] for n, w in head.items() if isinstance(w, mx.array)}
         mx.eval(self.weights)
-        self.few_rows = cuda_kernels.enabled()  # the drafter's block: 2-16 rows
+        self.few_rows = backends.current() == "cuda"  # the drafter's block: 2-16 rows
 
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
@@ -306,7 +306,7 @@ class TargetAdapter:
         weights."""
         if token_ids is None:
             plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
-            if plain and cuda_kernels.enabled():  # the drafter's block: 2-16 rows
+            if plain and backends.current() == "cuda":  # the drafter's block: 2-16 rows
                 return FullHead(partial(cuda_kernels.times_transposed, weight=self.head.weight))
             return FullHead(self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead

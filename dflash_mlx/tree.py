@@ -15,7 +15,7 @@ The target then runs once over all nodes: each node sees the committed context
 and its ancestors (`ancestor_mask`) at the position of its depth. Walking the
 target's own choices down from the root gives the longest accepted path.
 Past `top_candidates` or `ranked_edges` (one read from the device), everything
-here is host-side arithmetic on small lists; the loop (`generate.py`) does the forwards.
+here is host-side arithmetic on small lists; the tree step (`steps.py`) does the forwards.
 """
 
 from __future__ import annotations
@@ -105,17 +105,15 @@ def top_candidates(
 
 def _device_top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(column indices (rows, k) of each row's k largest logits, unordered; their logits;
-    each row's log-normaliser (rows, 1)), computed where the logits are; one small read."""
+    each row's log-normaliser (rows, 1)), computed where the logits are; one small read
+    (column indices are exact in float32, below 2^24)."""
     rows = logits.astype(mx.float32)
     top = mx.argpartition(-rows, k - 1, axis=-1)[:, :k]
     scores = mx.take_along_axis(rows, top, axis=-1)
     normalizer = mx.logsumexp(rows, axis=-1, keepdims=True)
-    mx.eval(top, scores, normalizer)
-    return (
-        np.array(top),
-        np.array(scores, dtype=np.float64),
-        np.array(normalizer, dtype=np.float64),
-    )
+    packed = np.array(mx.concatenate([top.astype(mx.float32), scores, normalizer], axis=-1))
+    packed = packed.astype(np.float64)
+    return packed[:, :k].astype(np.int64), packed[:, k : 2 * k], packed[:, 2 * k :]
 
 
 def ranked_edges(
