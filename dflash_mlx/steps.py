@@ -138,7 +138,7 @@ class ChainStep:
             seq.keep(1)
             seq.tokens.append(pending.root)
             queued = self.launch(verdict.token[None].astype(mx.int32), remaining - 1)
-        read = [pending.drafts.astype(mx.int32), verdict.accepted[None], verdict.token[None]]
+        read = [pending.drafts, verdict.accepted[None], verdict.token[None]]
         *drafts, accepted, token = mx.concatenate([a.astype(mx.int32) for a in read]).tolist()
         if queued:
             queued.root = token
