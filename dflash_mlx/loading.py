@@ -84,6 +84,26 @@ def default_dtype() -> mx.Dtype | None:
     return dtype_for_device(mx.default_device().type)
 
 
+KEEP_CHECKPOINT = "checkpoint"  # as a `dtype`: keep the checkpoint's dtype and quantization
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def load_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
+    """The dtype to cast a loaded model to: `dtype`, its name, the device's default (None),
+    or None to keep the checkpoint's dtype and quantization ("checkpoint")."""
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, str):
+        if dtype == KEEP_CHECKPOINT:
+            return None
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be one of {', '.join([*DTYPES, KEEP_CHECKPOINT])}, got {dtype!r}"
+            )
+        return DTYPES[dtype]
+    return dtype
+
+
 def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
     """Dequantize and cast to `dtype`; `None` keeps the checkpoint's dtype and quantization."""
     if dtype is None:

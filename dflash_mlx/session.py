@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .checkpoint import load_draft
 from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
+from .loading import DTYPES, KEEP_CHECKPOINT
 from .response import GenerationResponse
 from .sampling import RULES
 from .settings import GenerationSettings
@@ -36,6 +37,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "--no-draft",
         action="store_true",
         help="plain autoregressive decoding through the same loop (block size 1)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=[*DTYPES, KEEP_CHECKPOINT],
+        help="the target's dtype (default: float32 on the CPU, dequantized; the checkpoint's on "
+        "a GPU); 'checkpoint' keeps its dtype and quantization",
     )
     parser.add_argument("--block-size", type=int, help="tokens per verify cycle (drafter's)")
     parser.add_argument(
@@ -120,9 +127,9 @@ def load_models(
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
     if args.pipeline:
-        model, tokenizer = load(args.model, pipeline_group=group)
+        model, tokenizer = load(args.model, args.dtype, pipeline_group=group)
     else:
-        model, tokenizer = load(args.model, tensor_group=group)
+        model, tokenizer = load(args.model, args.dtype, tensor_group=group)
     draft = (
         None
         if args.no_draft

@@ -31,7 +31,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from . import backends, hooks
 from .kernels import cuda as cuda_kernels
-from .loading import cast_model, default_dtype, read_config, resolve_path
+from .loading import cast_model, load_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 from .swaps import Swap
 
@@ -55,7 +55,7 @@ def rope_overrides(config: dict) -> dict:
 
 def load(
     path_or_repo: str | Path,
-    dtype: mx.Dtype | None = None,
+    dtype: mx.Dtype | str | None = None,
     tensor_group: mx.distributed.Group | None = None,
     pipeline_group: mx.distributed.Group | None = None,
     **kwargs: Any,
@@ -64,7 +64,8 @@ def load(
 
     `dtype` defaults to float32 on the CPU (quantized weights are dequantized:
     quantized and bf16 matmuls are not BLAS-accelerated there) and to the
-    checkpoint's dtype on a GPU (Metal or CUDA). Extra keyword arguments go to `mlx_lm.load`.
+    checkpoint's dtype on a GPU (Metal or CUDA); `dtype="checkpoint"` keeps the
+    checkpoint's dtype and quantization anywhere. Extra keyword arguments go to `mlx_lm.load`.
     `tensor_group` (as in mlx-lm's `sharded_load`) shards the target over the
     group with the model's own `shard()`: each rank keeps its slice of the
     weights and runs every forward together with the others. `pipeline_group`
@@ -74,6 +75,7 @@ def load(
     if tensor_group is not None and pipeline_group is not None:
         raise ValueError("shard the target over a tensor group or a pipeline group, not both")
     group = tensor_group or pipeline_group
+    cast_to = load_dtype(dtype)
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}
     sharded = group is not None and group.size() > 1
@@ -85,7 +87,7 @@ def load(
         raise ValueError(
             f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
         ) from exc
-    cast_model(model, dtype if dtype is not None else default_dtype())
+    cast_model(model, cast_to)
     if sharded:
         (shard if tensor_group is not None else pipeline)(model, group)
     mx.eval(model.parameters())
