@@ -12,6 +12,7 @@ Ctrl-C interrupts at once, and the caches are then rebuilt on the next turn.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import select
 import signal
@@ -163,16 +164,62 @@ class Chat:
 
 def read_line(prompt: str) -> str:
     """`input(prompt)`, but a Ctrl-C that lands after the prompt is shown and before
-    the read starts still raises KeyboardInterrupt instead of being held until Enter.
+    the read starts still raises KeyboardInterrupt instead of being held until Enter,
+    and a pasted line longer than 4,095 bytes arrives whole.
 
-    A signal only interrupts a read that is already waiting, so `input` loses that
-    window. Here the signal also writes its number to a pipe (`signal.set_wakeup_fd`)
-    and the wait is on the terminal and the pipe together: the number is there
-    whenever the signal came. Only for a terminal: a pipe's lines may sit in
-    `sys.stdin`'s buffer, out of `select`'s sight.
+    A terminal in canonical mode (the kernel's line editing) keeps 4,095 bytes of a
+    line and drops the rest, and a paste typically arrives while we wait. So with
+    `readline`, which reads in non-canonical mode, the wait is out of canonical mode
+    too, and out of echo: readline shows what arrived, and draws the prompt again.
     """
     if not sys.stdin.isatty():
         return input(prompt)
+    if not line_editing():
+        wait_for_input(prompt)
+        return input()
+    import termios  # Unix only, as readline is
+
+    fd = sys.stdin.fileno()
+    cooked = termios.tcgetattr(fd)
+
+    def uncook(off: int) -> None:
+        """The terminal in mode `cooked` less local-mode flags `off`, a read taking what has
+        arrived (VMIN 1)."""
+        attrs = copy.deepcopy(cooked)
+        attrs[3] &= ~off
+        attrs[6][termios.VMIN], attrs[6][termios.VTIME] = 1, 0
+        termios.tcsetattr(fd, termios.TCSANOW, attrs)
+
+    try:
+        uncook(termios.ICANON | termios.ECHO)
+        wait_for_input(prompt)
+        uncook(termios.ICANON)  # readline echoes only if the terminal does
+        print("\r", end="", flush=True)  # the prompt, drawn again by readline, goes over it
+        return input(prompt)
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, cooked)
+
+
+def line_editing() -> bool:
+    """Whether `input` reads through `readline` (importing it is what makes it so), which
+    it does where stdin and stdout are both terminals."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:  # a Python built without it
+        return False
+    return sys.stdout.isatty()
+
+
+def wait_for_input(prompt: str) -> None:
+    """Show `prompt` and wait until the terminal has input; KeyboardInterrupt for a Ctrl-C
+    at any time during the wait.
+
+    A signal only interrupts a read that is already waiting, so `input` alone loses a
+    Ctrl-C that lands before its read starts. Here the signal also writes its number to
+    a pipe (`signal.set_wakeup_fd`) and the wait is on the terminal and the pipe
+    together: the number is there whenever the signal came. Only for a terminal: a
+    pipe's lines may sit in `sys.stdin`'s buffer, out of `select`'s sight.
+    """
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     previous_handler = signal.signal(signal.SIGINT, lambda *_: None)  # the pipe tells instead
@@ -184,7 +231,7 @@ def read_line(prompt: str) -> str:
             if wake_read in ready and signal.SIGINT in os.read(wake_read, 64):
                 raise KeyboardInterrupt
             if sys.stdin in ready:
-                return input()
+                return
     finally:
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous_handler)

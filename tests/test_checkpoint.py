@@ -1,7 +1,9 @@
 """Drafter checkpoints: both layouts, conversion, and clear errors for bad input."""
 
+import errno
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -9,10 +11,10 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import cpu_default, read_config, save_draft, save_target
+from helpers import copy_dir, cpu_default, read_config, save_draft, save_target
 from mlx.utils import tree_flatten
 
-from dflash_mlx import load_draft, stream_generate
+from dflash_mlx import cli, load_draft, stream_generate
 from dflash_mlx.convert import convert_draft
 from dflash_mlx.draft import DFlashConfig, default_target_layer_ids
 
@@ -155,6 +157,118 @@ def test_convert_cli_in_subprocess(published, workdir):
     )
     assert proc.returncode == 1
     assert "drafter directory not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def convert_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "convert", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The stderr of a failed `dflash-mlx convert`, checked to be its one-line error."""
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("dflash-mlx convert: error: "), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_convert_refuses_a_non_empty_out_unless_forced(published, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"an older conversion's shard")
+    err = one_line_error(convert_cli(published[1], "--out", out))
+    assert f"{out} is not empty: pass --force to replace it" in err
+    assert [p.name for p in out.iterdir()] == ["model-00002-of-00002.safetensors"]
+
+    proc = convert_cli(published[1], "--out", out, "--force")
+    assert proc.returncode == 0, proc.stderr
+    files = ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert load_draft(out).config.target_layer_ids == [1, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing staged is left
+
+
+def unwritable_dir(tmp_path):
+    """A directory this process cannot write in (not as root, who writes anywhere)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.access(locked, os.W_OK):
+        pytest.skip("a read-only directory is writable to this user (root)")
+    return locked
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (lambda tmp_path: tmp_path / "file", "{out}: {out} is a file"),
+        (lambda tmp_path: tmp_path / "file" / "out", "{out}: {file} is a file"),
+        (lambda tmp_path: unwritable_dir(tmp_path) / "out", "{out}: Permission denied"),
+    ],
+    ids=["out-is-a-file", "out-under-a-file", "read-only-directory"],
+)
+def test_convert_to_an_unwritable_out_is_a_one_line_error(published, tmp_path, where, message):
+    (tmp_path / "file").write_text("not a directory")
+    out = where(tmp_path)
+    err = one_line_error(convert_cli(published[1], "--out", out))
+    assert message.format(out=out, file=tmp_path / "file") in err
+    assert (tmp_path / "file").read_text() == "not a directory"
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # nothing staged
+
+
+def failing_save(error: Exception):
+    """`mx.save_safetensors` on a disk that fills up halfway through the file."""
+    save = mx.save_safetensors
+
+    def fake(path, arrays, metadata=None):
+        save(path, arrays, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        raise error
+
+    return fake
+
+
+DISK_FULL = [
+    OSError(errno.ENOSPC, "No space left on device"),
+    RuntimeError("[write] Unable to write 2951520 bytes to file."),  # what MLX 0.32 raises
+]
+
+
+@pytest.mark.parametrize("error", DISK_FULL, ids=["oserror", "mlx-runtime-error"])
+def test_a_failed_convert_leaves_the_previous_one_and_no_partial_output(
+    published, tmp_path, monkeypatch, capsys, error
+):
+    good = convert_draft(published[1], tmp_path / "out", dtype="float32")
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    monkeypatch.setattr(mx, "save_safetensors", failing_save(error))
+    for out, flags in [(good, ["--force"]), (tmp_path / "new", [])]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["convert", str(published[1]), "--out", str(out), *flags])
+        assert exit_info.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"dflash-mlx convert: error: cannot write {out}: ") and (
+            err.count("\n") == 1
+        ), err
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_tensor_in_two_weight_files_is_refused(published, tmp_path):
+    stale = copy_dir(published[1], tmp_path / "stale-shard")
+    weights = mx.load(str(stale / "model.safetensors"))
+    name = sorted(weights)[0]
+    mx.save_safetensors(str(stale / "old.safetensors"), {name: weights[name]})
+    with pytest.raises(ValueError) as e:
+        load_draft(stale)
+    assert str(e.value) == (
+        f"tensor {name} is in both model.safetensors and old.safetensors in {stale}: "
+        "remove the stale file"
+    )
 
 
 # --- bad input -------------------------------------------------------------------------

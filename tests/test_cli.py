@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import pexpect
@@ -251,6 +252,38 @@ def test_chat_two_turns_stats_reset_and_exit(make_pair):
     child.expect(">> ")
     child.sendeof()
     child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def test_chat_reads_a_pasted_line_longer_than_the_terminal_line_limit(make_pair, loaded):
+    """A terminal in canonical mode keeps 4,095 bytes of a line and drops the rest; the
+    paste arrives while the chat waits at its prompt and must reach the model whole."""
+    try:
+        os.close(os.openpty()[0])
+    except OSError:
+        pytest.skip("no pseudo-terminal on this machine")
+    line = " ".join(f"Alice has {n} apples." for n in range(400))
+    assert len(line) > 6000
+    _, tokenizer, _ = loaded("llama-tied-gqa")
+    prompt = len(tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": line}])))
+    child = spawn_chat(make_pair, "-m", "1")
+    # Written from a thread while `expect` reads: the echo of 6,000 characters fills the
+    # terminal's output buffer, which would stall the child, and with it the write.
+    writer = threading.Thread(target=write_all, args=(child.child_fd, (line + "\r").encode()))
+    writer.start()
+    # More tokens than the model's context: the chat says how many, and generates nothing.
+    child.expect(r"(?:\[the conversation is|prompt) (\d+) tokens", timeout=30)
+    writer.join()
+    assert int(child.match.group(1)) == prompt > 4096
+    child.sendline("/quit")
+    child.expect(pexpect.EOF, timeout=10)
     child.close()
     assert child.exitstatus == 0
 

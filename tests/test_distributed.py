@@ -87,13 +87,21 @@ def outputs(procs) -> list[tuple[int, str, str]]:
     return results
 
 
+def launcher() -> str:
+    """The `mlx.launch` of the interpreter running the tests: a virtual environment's python
+    run by its path, the environment not activated, has the script beside it, not on PATH
+    (and mlx has no `python -m` form of it)."""
+    beside = Path(sys.executable).with_name("mlx.launch")
+    return str(beside) if beside.is_file() else "mlx.launch"
+
+
 def launch(
     argv: list[str], stdin: str = "", cwd: Path | None = None, n: int = RANKS
 ) -> tuple[int, str, str]:
     """`mlx.launch -n N --backend ring -- python -m dflash_mlx ARGV`: (status, stdout,
     stderr). stdin is written and left open: mlx.launch forwards input, never its end."""
     port = free_ports(1)[0]
-    command = ["mlx.launch", "-n", str(n), "--backend", "ring", "-p", str(port), "--"]
+    command = [launcher(), "-n", str(n), "--backend", "ring", "-p", str(port), "--"]
     proc = subprocess.Popen(
         [*command, sys.executable, "-m", "dflash_mlx", *argv],
         env=env(),
@@ -115,6 +123,13 @@ def launch(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, out, err
+
+
+def test_the_launcher_is_found_with_the_environment_off_path(monkeypatch):
+    monkeypatch.setenv("PATH", os.defpath)
+    status, out, err = launch(["--version"])
+    assert status == 0, err
+    assert out.count(f"dflash-mlx {dflash_mlx.__version__}\n") == RANKS, out
 
 
 def one_process_reply(models: tuple, text: str, max_tokens: int) -> str:

@@ -22,6 +22,7 @@ from mlx.utils import tree_map
 from mlx_lm import generate, load
 from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
+from test_checkpoint import DISK_FULL, failing_save
 from tokenizers import pre_tokenizers
 
 from dflash_mlx import gguf as dgguf
@@ -250,6 +251,25 @@ def test_bad_inputs(tmp_path, tiny):
     with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe'"):
         dgguf.convert_gguf(tmp_path / "pre.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("error", DISK_FULL, ids=["oserror", "mlx-runtime-error"])
+def test_a_failed_import_leaves_the_previous_one_and_no_partial_output(
+    tiny, tmp_path, monkeypatch, error
+):
+    good = dgguf.convert_gguf(tiny[0], tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    with pytest.raises(FileExistsError, match="model is not empty: pass --force to replace it"):
+        dgguf.convert_gguf(tiny[0], good)
+    assert dgguf.convert_gguf(tiny[0], good, force=True) == good
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+
+    monkeypatch.setattr(mx, "save_safetensors", failing_save(error))
+    for out, force in [(good, True), (tmp_path / "new", False)]:
+        with pytest.raises(OSError, match=f"^cannot write {re.escape(str(out))}: "):
+            dgguf.convert_gguf(tiny[0], out, force=force)
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no partial output, nothing staged
 
 
 def test_smollm2_model_dir_converts_once(tmp_path, tiny, monkeypatch):

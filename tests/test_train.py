@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import helpers
 import mlx.core as mx
@@ -12,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dflash_mlx
+from dflash_mlx import cli
 from dflash_mlx.chat_format import render
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.blocks import (
@@ -337,3 +339,46 @@ def test_fit_validates_from_its_start_point_and_checkpoints(tiny, tmp_path):
     assert [e["step"] for e in log if "val" in e] == [0, 2, 4]
     assert all(0 <= e["val"]["acc"][0] <= 1 and e["val"]["loss"] > 0 for e in log if "val" in e)
     assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 4
+
+
+def test_a_save_after_one_cut_short_after_its_swap(tiny, tmp_path):
+    """A save that stopped before removing the checkpoint it replaced leaves ckpt.old beside
+    ckpt: the next save replaces both."""
+    model, _ = tiny
+    trainer = Trainer(model, make_draft(model, 1, TAPS, 8, seed=1), TrainConfig())
+    trainer.save(tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt.old")
+    trainer.step = 5
+    trainer.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_fit_resumes_from_a_save_cut_short_and_logs_each_step_once(make_pair, tmp_path, capsys):
+    """A run killed between the two renames of its checkpoint save leaves the last whole
+    checkpoint in ckpt.old and no ckpt/; the next fit resumes from it (not from step 0),
+    and the log holds each step once: the steps it redoes, and the step it resumes at."""
+    work = ["--model", str(make_pair("llama-tied-gqa")[0]), "--work", str(tmp_path)]
+    cli.main(["train", "data", *work, "--num-prompts", "64", "--max-tokens", "8"])
+    cli.main(["train", "features", *work, "--taps", "1,3"])
+    fit = ["train", "fit", *work, "--seqs-per-step", "1", "--blocks-per-seq", "2"]
+    fit += ["--save-every", "1", "--eval-every", "1", "--val-seqs", "1"]
+    fit += ["--eval-prompts", "1", "--eval-max-tokens", "4"]
+    cli.main([*fit, "--steps", "2"])
+    log = tmp_path / "train_log.jsonl"
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+
+    # The run to step 3 logged it, then was killed saving it: after ckpt -> ckpt.old, before
+    # ckpt.tmp -> ckpt.
+    (tmp_path / "ckpt").rename(tmp_path / "ckpt.old")
+    (tmp_path / "ckpt.tmp").mkdir()
+    with log.open("a") as f:
+        f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    capsys.readouterr()
+    cli.main([*fit, "--steps", "4"])
+    assert f"resumed from {tmp_path / 'ckpt'} at step 2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 4
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["step"] for e in entries] == [0, 1, 2, 3, 4]
+    assert all("val" in e for e in entries)  # step 3 is the resumed run's, not the killed one's
+    assert not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.tmp").exists()

@@ -209,6 +209,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         Trainer,
         checkpoint_draft,
         decode_tau,
+        finish_save,
         fit,
         grow_draft,
         make_draft,
@@ -249,6 +250,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         eval_every=args.eval_every,
     )
     ckpt = work / "ckpt"
+    finish_save(ckpt)
     if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
         draft, _ = checkpoint_draft(ckpt)
         check_arch(

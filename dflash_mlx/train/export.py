@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checkpoint import save_draft, write_config
+from ..checkpoint import save_draft, save_weights, write_config
 from ..draft import DFlashDraft
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -49,5 +49,5 @@ def export_published(draft: DFlashDraft, out: Path, dtype: str = "bfloat16") -> 
     config.pop("quantization", None)
     write_config(out / "config.json", config)
     weights = {k: v.astype(DTYPES[dtype]) for k, v in tree_flatten(draft.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_weights(out / "model.safetensors", weights, {"format": "pt"})
     return out

@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..checkpoint import init_draft
+from ..checkpoint import init_draft, save_weights
 from ..draft import DFlashConfig, DFlashDraft
 from ..generate import stream_generate
 from ..target import TargetAdapter
@@ -397,20 +397,18 @@ class Trainer:
         return self._losses(loss, token, choice), np.array(hits), valid
 
     def save(self, path: Path) -> None:
-        """Drafter weights, optimizer state and step, written to a temp dir then swapped in."""
+        """Drafter weights, optimizer state and step, written to a temp dir then swapped in
+        (`finish_save` completes a swap cut short)."""
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        mx.save_safetensors(
-            str(tmp / "draft.safetensors"), dict(tree_flatten(self.draft.parameters()))
-        )
-        mx.save_safetensors(
-            str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
-        )
+        save_weights(tmp / "draft.safetensors", dict(tree_flatten(self.draft.parameters())))
+        save_weights(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
         state = {"step": self.step, "train": asdict(self.cfg), "draft": self.draft.config.to_dict()}
         (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
-        old = path.with_name(path.name + ".old")
+        old = previous_checkpoint(path)
         if path.exists():
+            shutil.rmtree(old, ignore_errors=True)  # left by a save cut short after its swap
             path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old, ignore_errors=True)
@@ -424,9 +422,24 @@ class Trainer:
         mx.eval(self.draft.parameters(), self.optimizer.state)
 
 
+def previous_checkpoint(path: Path) -> Path:
+    """Where `Trainer.save` keeps the checkpoint it replaces until the new one is in place."""
+    return path.with_name(path.name + ".old")
+
+
+def finish_save(path: Path) -> None:
+    """Complete a `Trainer.save` cut short between its two renames: the last whole checkpoint
+    is then `previous_checkpoint(path)` and `path` is missing, and a run that did not look
+    there would restart at step 0."""
+    old = previous_checkpoint(path)
+    if old.exists() and not path.exists():
+        old.rename(path)
+
+
 def checkpoint_draft(ckpt: Path) -> tuple[DFlashDraft, int]:
     """The float32 drafter a `Trainer.save` checkpoint holds, built from its own config, and
     its step."""
+    finish_save(ckpt)
     if not (ckpt / "state.json").exists():
         raise FileNotFoundError(f"no training checkpoint in {ckpt} (run `train fit` first)")
     state = json.loads((ckpt / "state.json").read_text())
@@ -477,6 +490,19 @@ def decode_tau(
 LOGGED = ("loss", "token_loss", "selector_loss", "tau_est")
 
 
+def trim_log(log: Path, step: int) -> bool:
+    """Where a run resumes at `step`, drop the log lines of later steps (it redoes them: they
+    would be logged twice) and a torn last line; whether `step` itself is logged."""
+    if not step or not log.exists():
+        return False
+    lines = log.read_text().splitlines(keepends=True)
+    entries = [(json.loads(line)["step"], line) for line in lines if line.endswith("\n")]
+    tmp = log.with_name(log.name + ".tmp")
+    tmp.write_text("".join(line for s, line in entries if s <= step))
+    tmp.replace(log)
+    return any(s == step for s, _ in entries)
+
+
 def fit(
     trainer: Trainer,
     data: list[Sequence],
@@ -503,8 +529,10 @@ def fit(
         )
         return scores
 
+    logged = trim_log(log, trainer.step)
     with log.open("a") as f:
-        if val and cfg.eval_every and trainer.step < cfg.steps:  # where this run starts from
+        # where this run starts from, unless a resumed run's log has that step already
+        if val and cfg.eval_every and trainer.step < cfg.steps and not logged:
             f.write(json.dumps({"step": trainer.step, "val": validate(trainer.step)}) + "\n")
         while trainer.step < cfg.steps:
             tic = time.perf_counter()
