@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from .session import DEFAULT_MAX_QUEUE, add_model_arguments, json_object
+from .session import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    add_model_arguments,
+    json_object,
+)
 
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "starlette")
 
@@ -32,9 +39,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_QUEUE,
         help="requests that may wait for the model; more get 503 with Retry-After",
     )
+    add_limit_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server and how much a client may take of it."""
+    parser.add_argument(
+        "--allowed-hosts",
+        type=comma_list,
+        default=(),
+        help="more names requests may give in their Host header, comma-separated, e.g. "
+        "'my-mac.local,192.168.1.20' ('*': any); the bound address, localhost, 127.0.0.1 and "
+        "[::1] always may; others get 421, so a web page cannot reach the server by pointing "
+        "its own name at this address (DNS rebinding)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=comma_list,
+        default=(),
+        help="web origins whose pages may call the API (CORS), comma-separated, e.g. "
+        "'http://localhost:3000' ('*': any); default: none, CORS off",
+    )
+    parser.add_argument(
+        "--docs", action="store_true", help="serve the API's docs: /docs, /redoc, /openapi.json"
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections; at the limit a new one closes the longest idle one, and "
+        f"requests beyond it get 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a client has to send a whole request, head and body; slower ones are "
+        f"dropped (default {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """A comma-separated flag value's items."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def run(args: argparse.Namespace) -> None:

@@ -15,6 +15,14 @@ checks after every verify cycle before moving on to the next request. Chat
 templates are rendered and prompts tokenized on a thread of their own, so a
 long prompt does not stall the event loop (and every open stream with it).
 
+Clients are bounded before they cost anything: only JSON bodies (415 otherwise) up
+to `--max-body-bytes` (413), only Host names this server answers to (421: DNS
+rebinding), no CORS unless `--allowed-origins`; at most `--max-connections` open
+connections (the longest idle one makes room for a new one), each given
+`--request-timeout` seconds to send a whole request (uvicorn alone waits forever for
+one). Errors a flood of such clients causes are logged at the 1st, 10th, 100th...
+time, not once each.
+
 Under `mlx.launch` rank 0 serves HTTP; its worker sends each job (prompt ids
 and settings) to the other ranks, which run it in lockstep and discard the
 output, so requests are still generated one at a time.
@@ -33,11 +41,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.sample_utils import make_logits_processors
@@ -52,13 +63,17 @@ from pydantic import (
     model_validator,
 )
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .chat_format import chat_prompt, encode_prompt
+from .connections import GuardedH11, Repeats
 from .distributed import Lockstep, abort, is_backend_error, world_group
 from .generate import stream_generate
 from .prompt_cache import make_prompt_cache
 from .response import GenerationResponse
 from .session import (
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     PROCESSOR_SETTINGS,
     ReplyStats,
@@ -74,7 +89,39 @@ log = logging.getLogger(__name__)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and infinities parse from JSON in Python, and would reach the sampler as settings
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+MAX_SEED = 2**32 - 1  # what a request's `seed` may be
+# A prompt's text is bounded before it is tokenized, at this many characters per token
+# of the model's context: more than any tokenizer packs into one token.
+PROMPT_CHARS_PER_TOKEN = 64
+# Stop strings a request may give, and their length: the matcher's work per piece of
+# text grows with both.
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+# apply_chat_template's own arguments and the names a template is rendered with: a
+# request setting one would pick the template or how it is applied, which only the
+# model (and the operator's --chat-template-args) decide.
+TEMPLATE_OWN = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 # Fields that change the output but that this server cannot honour: a request
@@ -144,7 +191,7 @@ class CompletionParams(Strict):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -178,6 +225,16 @@ class CompletionParams(Strict):
             raise ValueError("keys must be token ids")
         return {int(k): v for k, v in bias.items()}
 
+    @field_validator("stop")
+    @classmethod
+    def few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
+
     @model_validator(mode="before")
     @classmethod
     def refuse_unsupported(cls, body: Any) -> Any:
@@ -197,6 +254,14 @@ class ChatRequest(CompletionParams):
     messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(TEMPLATE_OWN.intersection(kwargs or {}))
+        if taken:
+            raise ValueError(f"{taken[0]} is not for a request to set: the template is the model's")
+        return kwargs
 
 
 class TextRequest(CompletionParams):
@@ -218,14 +283,28 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status)
 
 
-async def parse(request: Request, schema: type[Strict]) -> Any:
-    """The validated request body, or a 400 response naming the first problem.
+CLIENT_GONE = "client gone before sending its whole request"
 
-    Parsed here rather than by FastAPI's body injection so any content type is
-    accepted (as `mlx_lm.server` does) and errors are 400s in OpenAI's shape.
+
+async def parse(request: Request, schema: type[Strict], max_bytes: int) -> Any:
+    """The validated request body, or an error response naming the first problem.
+
+    Parsed here rather than by FastAPI's body injection so errors are in OpenAI's
+    shape. Only JSON is taken (415): any other type a web page may send to this
+    server without the browser asking it first (a CORS "simple request"). A body
+    over `max_bytes` is refused (413) before it is parsed, or read whole.
     """
+    if media_type(request) != "application/json":
+        return error(415, "Content-Type must be application/json", "Content-Type")
     try:
-        return schema.model_validate_json(await request.body())
+        body = await read_body(request, max_bytes)
+    except ClientDisconnect:  # or dropped for sending too slowly (GuardedH11)
+        log.info(CLIENT_GONE)
+        return error(400, CLIENT_GONE)  # to no one: uvicorn drops it
+    if body is None:
+        return error(413, f"the request body is over {max_bytes} bytes (--max-body-bytes)")
+    try:
+        return schema.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -233,7 +312,97 @@ async def parse(request: Request, schema: type[Strict]) -> Any:
         return error(400, f"{where or 'body'}: {message}", where or None)
 
 
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is known to be over `limit` bytes: from
+    its Content-Length (h11 has checked it is a number), else (chunked) while reading."""
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def text_size(value: Any) -> int:
+    """Characters in the strings of a JSON value (keys too): what a template may render."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(k) + text_size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(map(text_size, value))
+    return 0
+
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, without its port: "[::1]:8080" -> "[::1]"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.partition(":")[0]
+
+
+def served_hosts(bound: str, allowed: tuple[str, ...] = ()) -> frozenset[str]:
+    """The Host names to answer: the local ones, the bound address and `allowed`."""
+    bound = f"[{bound}]" if ":" in bound else bound  # an IPv6 address, as Host gives it
+    return frozenset([*LOCAL_HOSTS, bound.lower(), *map(host_name, allowed)])
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Who may call the server and how much one request may send (the flags)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    hosts: frozenset[str] = frozenset(LOCAL_HOSTS)  # Host names answered; "*": any
+    origins: tuple[str, ...] = ()  # web origins CORS lets in; none: CORS off
+    docs: bool = False  # /docs, /redoc, /openapi.json
+
+
+class HostCheck:
+    """ASGI middleware answering 421 to a request whose Host is not one of `hosts`.
+
+    A web page can point its own domain name at this machine's address (DNS
+    rebinding) and then call the server as its own origin, past CORS; its
+    requests still name that domain in Host.
+    """
+
+    def __init__(self, app: ASGIApp, hosts: frozenset[str]):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "*" not in self.hosts:
+            host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+            if host not in self.hosts:
+                message = f"Host {host!r} is not served here (allow it with --allowed-hosts)"
+                await error(421, message, "Host")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# Per logger, the messages a flood of bad connections logs once each (`Repeats`).
+NOISY = {
+    "asyncio": (
+        "socket.accept() out of system resource",  # e.g. too many open files
+        # its retries, a second later, when the server has stopped meanwhile
+        "Exception in callback BaseSelectorEventLoop._start_serving",
+    ),
+    "uvicorn.error": ("Exceeded concurrency limit", "Invalid HTTP request received"),
+    __name__: (CLIENT_GONE,),
+}
+
+
 RETRY_AFTER_S = 5
+KEEP_ALIVE_S = 5  # an idle connection is closed after this long
 
 
 class QueueFull(Exception):
@@ -419,8 +588,13 @@ def logprob_entries(
     ]
 
 
-def create_app(worker: Worker, model_id: str) -> FastAPI:
-    """The FastAPI app serving `worker`'s model under the name `model_id`."""
+def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> FastAPI:
+    """The FastAPI app serving `worker`'s model under the name `model_id`, to the clients
+    `policy` lets in (by default: local ones, without CORS or docs)."""
+    policy = policy or Policy()
+    max_chars = (
+        PROMPT_CHARS_PER_TOKEN * worker.max_context if worker.max_context else policy.max_body_bytes
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -430,7 +604,16 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
             await asyncio.wrap_future(done)
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
 
-    app = FastAPI(title="dflash-mlx", lifespan=lifespan)
+    docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan, **docs)
+    if policy.origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(policy.origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(HostCheck, hosts=policy.hosts)  # added last: runs first
     created = int(time.time())
 
     @app.get("/health")
@@ -444,10 +627,12 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse(request, ChatRequest)
+        body = await parse(request, ChatRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
         messages = [m.for_template() for m in body.messages]
+        if too_long := over(text_size(messages) + text_size(body.tools), "messages"):
+            return too_long
         template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
         try:
             ids = await worker.prepare(
@@ -459,14 +644,21 @@ def create_app(worker: Worker, model_id: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse(request, TextRequest)
+        body = await parse(request, TextRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
+        if too_long := over(text_size(body.prompt), "prompt"):
+            return too_long
         try:
             ids = await worker.prepare(lambda: body.prompt)
         except ValueError as exc:
             return error(400, str(exc), "prompt")
         return await complete(request, body, ids, "text_completion")
+
+    def over(chars: int, name: str) -> JSONResponse | None:
+        if chars <= max_chars:
+            return None
+        return error(400, f"{name}: {chars} characters, over the {max_chars} taken", name)
 
     async def complete(request: Request, body: CompletionParams, ids: list[int], kind: str):
         if any(not 0 <= t < worker.vocab_size for t in ids):
@@ -698,10 +890,41 @@ class Reply:
         yield "data: [DONE]\n\n"
 
 
+def model_name(model: str) -> str:
+    """The model's id for clients: a local directory's name (where it lies on disk is
+    none of theirs), or the hub id as given."""
+    path = Path(model)
+    return path.resolve().name if path.exists() else model
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Bad limits fail before anything loads."""
+    for flag, least in (("max_queue", 0), ("max_body_bytes", 1), ("max_connections", 1)):
+        if getattr(args, flag) < least:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be at least {least}, got {getattr(args, flag)}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be above 0, got {args.request_timeout}")
+
+
+def serve_http(app: FastAPI, args: argparse.Namespace) -> None:
+    """Serve `app` with the flags' bounds on connections and on slow clients."""
+    for name, messages in NOISY.items():  # uvicorn's logging set-up keeps loggers' filters
+        logging.getLogger(name).addFilter(Repeats(messages))
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=partial(GuardedH11, request_timeout=args.request_timeout),
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
 def run(args: argparse.Namespace) -> None:
     """Load the models from the flags and serve them until interrupted."""
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+    check_flags(args)
     model, tokenizer, draft = load_models(args)
     worker = Worker(
         model,
@@ -717,5 +940,10 @@ def run(args: argparse.Namespace) -> None:
     if not worker.lockstep.leader:
         worker.follow()
         return
-    app = create_app(worker, args.model)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    policy = Policy(
+        args.max_body_bytes,
+        served_hosts(args.host, args.allowed_hosts),
+        args.allowed_origins,
+        args.docs,
+    )
+    serve_http(create_app(worker, model_name(args.model), policy), args)

@@ -43,11 +43,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(target, draft, log):
-    """Start `dflash-mlx serve` on a free port; yields (port, log path), then stops it."""
+def running_server(target, draft, log, *flags: str):
+    """Start `dflash-mlx serve` (with `flags`) on a free port; yields (port, log path, process),
+    then stops it."""
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
-    cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port)]
+    cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port), *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 90
@@ -61,7 +62,7 @@ def running_server(target, draft, log):
         proc.kill()
         pytest.fail(f"server did not start:\n{log.read_text()}")
     try:
-        yield port, log
+        yield port, log, proc
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         try:
@@ -74,6 +75,7 @@ def running_server(target, draft, log):
     text = log.read_text()
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{text[-3000:]}"
     assert "Application shutdown complete" in text and "terminate called" not in text, text
+    assert "Traceback" not in text, text
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +95,13 @@ def get(port: int, path: str) -> tuple[int, dict]:
         conn.close()
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        conn.request("POST", path, body, JSON)
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -122,14 +127,16 @@ def chat(client, prompt: str, max_tokens: int = 16, **kwargs):
 
 
 def test_health_models_and_local_bind(server, client):
-    port, log = server
+    port, log, _ = server
     assert get(port, "/health") == (200, {"status": "ok"})
-    assert len(client.models.list().data) == 1
+    # the model directory's name: where it lies on disk is none of the clients' business
+    assert [m.id for m in client.models.list().data] == ["llama-tied-gqa"]
     assert "127.0.0.1" in log.read_text()
 
 
 def test_chat_and_text_completions_equal_greedy_decoding(client, loaded):
     reply = chat(client, PROMPTS[0], max_tokens=20)
+    assert reply.model == "llama-tied-gqa"
     text, n = greedy_text(loaded, PROMPTS[0], 20)
     assert reply.choices[0].message.content == text
     assert reply.usage.completion_tokens == n
@@ -180,10 +187,10 @@ def test_concurrent_requests_each_get_their_own_answer(client):
 
 
 def test_client_disconnect_stops_its_generation(server, client):
-    port, log = server
+    port, log, _ = server
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = {"prompt": PROMPTS[0], "max_tokens": 3500, "stream": True}  # greedy: 2,524 tokens
-    conn.request("POST", "/v1/completions", json.dumps(body))
+    conn.request("POST", "/v1/completions", json.dumps(body), JSON)
     response = conn.getresponse()
     assert response.status == 200
     for _ in range(3):
@@ -293,7 +300,7 @@ def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, 
 def tool_client(make_pair, tmp_path_factory):
     """A server on llama-tools: the same weights, a tool-calling chat template."""
     log = tmp_path_factory.mktemp("tool-server") / "server.log"
-    with running_server(*make_pair("llama-tools"), log) as (port, _):
+    with running_server(*make_pair("llama-tools"), log) as (port, _, _):
         yield openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
         )
@@ -423,10 +430,11 @@ def wait_for(condition, what: str, timeout: float = 120) -> None:
 
 
 @contextmanager
-def serving(worker):
-    """`create_app(worker)` served by uvicorn on 127.0.0.1 in this process; yields the port."""
+def serving(worker, policy=None):
+    """`create_app(worker, policy)` served by uvicorn on 127.0.0.1 in this process; yields
+    the port."""
     config = uvicorn.Config(
-        create_app(worker, "m"), host="127.0.0.1", port=free_port(), log_level="warning"
+        create_app(worker, "m", policy), host="127.0.0.1", port=free_port(), log_level="warning"
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run)
@@ -484,7 +492,7 @@ def test_full_wait_queue_answers_503_with_retry_after(loaded):
             queued = [in_background(post, port, "/v1/completions", body) for _ in range(2)]
             wait_for(lambda: worker.pending == 2, "two requests to queue")
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", body, JSON)
             refused = conn.getresponse()
             assert refused.status == 503 and int(refused.getheader("Retry-After")) > 0
             assert "busy" in json.loads(refused.read())["error"]["message"]
@@ -497,24 +505,31 @@ def test_full_wait_queue_answers_503_with_retry_after(loaded):
         assert post(port, "/v1/completions", body)[0] == 200
 
 
-def test_max_queue_flag_is_checked():
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-queue", "-1", "--max-queue must be at least 0"),
+        ("--max-connections", "0", "--max-connections must be at least 1"),
+        ("--request-timeout", "0", "--request-timeout must be above 0"),
+    ],
+)
+def test_limit_flags_are_checked(flag, value, message):
     out = subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "serve", "--model", "x", "--no-draft"]
-        + ["--max-queue", "-1"],
+        [sys.executable, "-m", "dflash_mlx", "serve", "--model", "x", "--no-draft", flag, value],
         capture_output=True,
         text=True,
         timeout=90,
     )
-    assert out.returncode != 0 and "--max-queue must be at least 0" in out.stderr
+    assert out.returncode != 0 and message in out.stderr
 
 
 def test_non_streaming_client_disconnect_stops_its_generation(server):
-    port, log = server
+    port, log, _ = server
     starts = log.read_text().count("generating:")
     stops = log.read_text().count("client gone: stopped after")
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = {"prompt": PROMPTS[0], "max_tokens": 3500}  # greedy: 2,524 tokens
-    conn.request("POST", "/v1/completions", json.dumps(body))
+    conn.request("POST", "/v1/completions", json.dumps(body), JSON)
     wait_for(lambda: log.read_text().count("generating:") > starts, "the generation to start")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
@@ -543,7 +558,7 @@ def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": PROMPTS[0]},
     ]
-    with running_server(*no_template_pair, tmp_path / "server.log") as (port, log):
+    with running_server(*no_template_pair, tmp_path / "server.log") as (port, log, _):
         client = openai_client(port)
         replies = [
             client.chat.completions.create(model="d", messages=messages, max_tokens=12)

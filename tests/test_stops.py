@@ -1,6 +1,8 @@
 """Stop strings: the pure matcher, and `generate --stop` against mlx-lm's greedy text."""
 
 import json
+import random
+import time
 
 from test_cli import dflash, greedy_text
 
@@ -26,6 +28,38 @@ def test_a_stop_string_split_across_pieces_ends_the_text_before_it():
     assert matcher.feed("xab") == ("x", False)
     assert matcher.flush() == "ab"  # the reply ended without the stop string: nothing is lost
     assert StopStrings([""]).feed("text") == ("text", False)  # an empty stop string is no stop
+
+
+def test_the_matcher_agrees_with_a_search_of_the_whole_text():
+    """Against `str.find` over all the text so far, on random pieces over a small alphabet
+    (overlapping stop strings, stops within stops, pieces shorter and longer than them)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab", k=rng.randint(0, 6))) for _ in range(rng.randint(1, 4))]
+        matcher, text, emitted = StopStrings(stops), "", ""
+        for piece in ("".join(rng.choices("abc", k=rng.randint(0, 5))) for _ in range(8)):
+            text += piece
+            out, stopped = matcher.feed(piece)
+            emitted += out
+            if stopped:
+                break
+            assert text.startswith(emitted) and text == emitted + matcher.held
+        found = [i for s in stops if s and (i := text.find(s)) >= 0]
+        assert stopped == bool(found)
+        if stopped:
+            assert emitted == text[: min(found)]
+        else:  # nothing held back is lost
+            assert emitted + matcher.flush() == text
+
+
+def test_matching_time_is_linear_in_the_text_fed():
+    """The most and longest stop strings the server takes, fed a character at a time: each
+    text ends with 999 characters of every stop. Recomputing that from the held-back
+    tail per piece took 6 s here; tracking it character by character, 0.03 s."""
+    matcher = StopStrings(["a" * 999 + c for c in "bcdefghijklmnopq"])
+    tic = time.perf_counter()
+    assert all(matcher.feed("a") == ("a" * (n >= 999), False) for n in range(3000))
+    assert time.perf_counter() - tic < 1.5
 
 
 def test_generate_stop_cuts_greedy_output_at_the_earliest_stop_string(make_pair, loaded):
