@@ -7,10 +7,10 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+import test_families
 from helpers import mlx_lm_greedy, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_logits_processors
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_families import PROMPT, build, first_difference, prompt_of, run
 
 import dflash_mlx
@@ -21,6 +21,7 @@ FAMILIES = ["llama", "qwen3", "qwen3_5", "gpt_oss", "gemma4_text"]
 RECURRENT = {"qwen3_5"}  # no trees: recurrent layers keep no per-node state
 MAX_TOKENS = 120
 GROUP_SIZE = 32  # divides every tiny config's input widths (64, 96, 16 x heads)
+tokenizer = test_families.tokenizer  # its fixture, shared
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,6 @@ def quantized():
         return built[name, bits]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def tokenizer(loaded):
-    """The tiny tokenizer without an EOS, so that every run is as long as asked."""
-    wrapper = TokenizerWrapper(loaded("llama-tied-gqa")[1]._tokenizer)
-    wrapper.eos_token_ids = []
-    return wrapper
 
 
 def settings_for(name: str) -> list[dict]:
