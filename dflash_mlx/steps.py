@@ -25,7 +25,7 @@ from .proposers import Proposer
 from .rollback import keep_path
 from .sampling import Verdict, Verifier
 from .target import TargetAdapter
-from .tree import Tree, ancestor_mask, walk
+from .tree import Tree, ancestor_mask, read_together, walk
 
 
 @dataclass
@@ -138,8 +138,8 @@ class ChainStep:
             seq.keep(1)
             seq.tokens.append(pending.root)
             queued = self.launch(verdict.token[None].astype(mx.int32), remaining - 1)
-        read = [pending.drafts, verdict.accepted[None], verdict.token[None]]
-        *drafts, accepted, token = mx.concatenate([a.astype(mx.int32) for a in read]).tolist()
+        read = read_together([pending.drafts, verdict.accepted, verdict.token], mx.int32)
+        drafts, accepted, token = (part.tolist() for part in read)
         if queued:
             queued.root = token
         if self.policy:

@@ -105,15 +105,21 @@ def top_candidates(
 
 def _device_top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(column indices (rows, k) of each row's k largest logits, unordered; their logits;
-    each row's log-normaliser (rows, 1)), computed where the logits are; one small read
-    (column indices are exact in float32, below 2^24)."""
+    each row's log-normaliser (rows, 1)), computed where the logits are; one small read."""
     rows = logits.astype(mx.float32)
     top = mx.argpartition(-rows, k - 1, axis=-1)[:, :k]
     scores = mx.take_along_axis(rows, top, axis=-1)
     normalizer = mx.logsumexp(rows, axis=-1, keepdims=True)
-    packed = np.array(mx.concatenate([top.astype(mx.float32), scores, normalizer], axis=-1))
-    packed = packed.astype(np.float64)
-    return packed[:, :k].astype(np.int64), packed[:, k : 2 * k], packed[:, 2 * k :]
+    top, scores, normalizer = read_together([top, scores, normalizer], mx.float32)
+    return top.astype(np.int64), scores.astype(np.float64), normalizer.astype(np.float64)
+
+
+def read_together(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
+    """`arrays` as numpy arrays of their own shapes, cast to `dtype`, in one read from the
+    device. Token ids and ranks stay exact in float32 (below 2^24) and in int32."""
+    flat = np.array(mx.concatenate([a.astype(dtype).reshape(-1) for a in arrays]))
+    parts = np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
+    return [part.reshape(a.shape) for part, a in zip(parts, arrays)]
 
 
 def ranked_edges(
@@ -127,11 +133,7 @@ def ranked_edges(
     """
     order = mx.argsort(-edge_logprobs, axis=-1)
     ranked = mx.take_along_axis(edge_logprobs, order, axis=-1)
-    # one read: candidate ids and ranks are exact in float32 (below 2^24)
-    parts = [candidates, order, ranked]
-    flat = np.array(mx.concatenate([p.astype(mx.float32).reshape(-1) for p in parts]))
-    sizes = np.cumsum([p.size for p in parts])[:-1]
-    ids, ranks, logprobs = (a.reshape(p.shape) for a, p in zip(np.split(flat, sizes), parts))
+    ids, ranks, logprobs = read_together([candidates, order, ranked], mx.float32)
     return ids.astype(np.int64).tolist(), ranks.astype(np.int64).tolist(), logprobs.tolist()
 
 
