@@ -207,6 +207,16 @@ def check_out_dir(out: Path, force: bool) -> None:
         raise FileExistsError(f"{out} is not empty: pass --force to replace it")
 
 
+def replace_dir(target: Path, new: Path, old: Path) -> None:
+    """Put the complete directory `new` at `target`; a previous `target` stays whole at `old`
+    until then (a rename replaces only an empty directory) and is removed after."""
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)  # left by a replacement cut short
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
 def staged_dir(out: Path, force: bool) -> Iterator[Path]:
     """A new directory beside `out` (the same file system) that becomes `out` only once the
@@ -220,11 +230,7 @@ def staged_dir(out: Path, force: bool) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         yield tmp
-        old = tmp.with_name(tmp.name + "-old")
-        if force and target.exists():  # a rename replaces only an empty directory
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(target, tmp, tmp.with_name(tmp.name + "-old"))
     except OSError as exc:
         raise type(exc)(f"cannot write {out}: {exc.strerror or exc}") from exc
     finally:

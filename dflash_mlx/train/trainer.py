@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..checkpoint import init_draft, save_weights
+from ..checkpoint import init_draft, replace_dir, save_weights
 from ..draft import DFlashConfig, DFlashDraft
 from ..generate import stream_generate
 from ..target import TargetAdapter
@@ -406,12 +406,7 @@ class Trainer:
         save_weights(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
         state = {"step": self.step, "train": asdict(self.cfg), "draft": self.draft.config.to_dict()}
         (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
-        old = previous_checkpoint(path)
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)  # left by a save cut short after its swap
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(path, tmp, previous_checkpoint(path))
 
     def load(self, path: Path) -> None:
         self.draft.load_weights(str(path / "draft.safetensors"))
