@@ -115,7 +115,7 @@ def stream_generate(
         prompt_cache = make_prompt_cache(model, draft)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
-    verifier = settings.verifier()
+    verifier = settings.verifier
     proposer: Proposer = Proposer()
     if draft is not None:
         proposer = DrafterProposer(draft, target, prompt_cache.draft, verifier.propose)

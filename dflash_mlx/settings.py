@@ -38,6 +38,8 @@ class GenerationSettings:
     sampler: Sampler | None = None
     acceptance: str = "speculative"
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # the rule that proposes drafts and accepts them under these sampling settings
+    verifier: Verifier = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -47,7 +49,16 @@ class GenerationSettings:
         if self.tree_budget is not None and self.tree_budget < 1:
             raise ValueError(f"tree_budget must be at least 1, got {self.tree_budget}")
         object.__setattr__(self, "logits_processors", list(self.logits_processors or []))
-        self.verifier()  # the sampling settings' own checks
+        verifier = make_verifier(  # the sampling settings' own checks too
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.sampler,
+            self.acceptance,
+            self.logits_processors,
+        )
+        object.__setattr__(self, "verifier", verifier)
 
     def but(self, **changes: Any) -> GenerationSettings:
         """A copy with `changes` (validated again)."""
@@ -69,15 +80,3 @@ class GenerationSettings:
             return AdaptiveBlock(block_size)
         backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
         return AdaptiveBlock(block_size, fixed_costs=FIXED_CYCLE_COSTS[backend])
-
-    def verifier(self) -> Verifier:
-        """The rule that proposes drafts and accepts them under these sampling settings."""
-        return make_verifier(
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.sampler,
-            self.acceptance,
-            self.logits_processors,
-        )
