@@ -14,6 +14,8 @@ from .session import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_REQUEST_TIMEOUT_S,
     add_model_arguments,
     json_object,
@@ -39,6 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_QUEUE,
         help="requests that may wait for the model; more get 503 with Retry-After",
     )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=DEFAULT_PROMPT_CACHE_SIZE,
+        help="conversations whose caches are kept, so their next turn is prefilled only from "
+        f"where it differs; least recently used out first (default {DEFAULT_PROMPT_CACHE_SIZE})",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=DEFAULT_PROMPT_CACHE_BYTES,
+        help="bytes those caches may hold, target and drafter together "
+        f"(default {DEFAULT_PROMPT_CACHE_BYTES})",
+    )
     add_limit_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -62,6 +78,11 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="web origins whose pages may call the API (CORS), comma-separated, e.g. "
         "'http://localhost:3000' ('*': any); default: none, CORS off",
+    )
+    parser.add_argument(
+        "--api-key",
+        help="a key every request must send as 'Authorization: Bearer <key>' (the openai "
+        "client's api_key); others get 401. Use it when --host is beyond this machine",
     )
     parser.add_argument(
         "--docs", action="store_true", help="serve the API's docs: /docs, /redoc, /openapi.json"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -70,11 +71,13 @@ from .chat_format import chat_prompt, encode_prompt
 from .connections import GuardedH11, Repeats
 from .distributed import Lockstep, abort, is_backend_error, world_group
 from .generate import stream_generate
-from .prompt_cache import make_prompt_cache
+from .prompt_cache import PromptCache, PromptCacheStore, make_prompt_cache
 from .response import GenerationResponse
 from .session import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_PROMPT_CACHE_SIZE,
     PROCESSOR_SETTINGS,
     ReplyStats,
     generation_settings,
@@ -366,6 +369,7 @@ class Policy:
     hosts: frozenset[str] = frozenset(LOCAL_HOSTS)  # Host names answered; "*": any
     origins: tuple[str, ...] = ()  # web origins CORS lets in; none: CORS off
     docs: bool = False  # /docs, /redoc, /openapi.json
+    api_key: str | None = None  # the bearer token every API request must send; None: no check
 
 
 class HostCheck:
@@ -385,6 +389,24 @@ class HostCheck:
             if host not in self.hosts:
                 message = f"Host {host!r} is not served here (allow it with --allowed-hosts)"
                 await error(421, message, "Host")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class KeyCheck:
+    """ASGI middleware answering 401 to an API request without `Authorization: Bearer
+    <key>` (compared in constant time). /health stays open for load balancers."""
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                response = error(401, "a valid API key is needed (Authorization: Bearer <key>)")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -422,16 +444,18 @@ class Worker:
         processor_settings: dict[str, Any] | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         lockstep: Lockstep | None = None,
+        prompt_caches: tuple[int, int] = (DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_PROMPT_CACHE_BYTES),
     ):
         """`defaults`: the flags' generation settings, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own;
-        `lockstep` the ranks that run every job under `mlx.launch`."""
+        `lockstep` the ranks that run every job under `mlx.launch`; `prompt_caches` how
+        many conversations' caches to keep, and in how many bytes at most."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         self.template_kwargs = template_kwargs or {}
         self.processor_settings = processor_settings or {}
         target = TargetAdapter(model)
         self.max_context, self.vocab_size = target.max_context, target.vocab_size
-        self.cache = make_prompt_cache(model, draft)
+        self.caches = PromptCacheStore(lambda: make_prompt_cache(model, draft), *prompt_caches)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
         self.max_queue = max_queue
@@ -466,15 +490,24 @@ class Worker:
         if job.settings:
             processors = make_logits_processors(**{**self.processor_settings, **job.settings})
             settings = settings.but(logits_processors=processors)
+        cache = self.caches.take(job.prompt)
         responses = stream_generate(
-            self.model,
-            self.draft,
-            self.tokenizer,
-            job.prompt,
-            settings=settings,
-            prompt_cache=self.cache,
+            self.model, self.draft, self.tokenizer, job.prompt, settings=settings, prompt_cache=cache
         )
-        return self.lockstep.steps(stop_at_strings(responses, job.stops), stop)
+        return self.lockstep.steps(self.keeping(cache, stop_at_strings(responses, job.stops)), stop)
+
+    def keeping(
+        self, cache: PromptCache, responses: Iterator[GenerationResponse]
+    ) -> Iterator[GenerationResponse]:
+        """`responses`, then `cache` back in the store once they end or are stopped: the
+        caches hold what `cache.tokens` lists, and anything past it is trimmed when reused.
+        Not after an error, which may leave them between two states."""
+        try:
+            yield from responses
+        except GeneratorExit:
+            self.caches.put(cache)
+            raise
+        self.caches.put(cache)
 
     def follow(self) -> None:
         """Ranks but 0: run rank 0's jobs until it shuts down; a job's error (the same
@@ -606,6 +639,8 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
 
     docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, **docs)
+    if policy.api_key:  # inside CORS, which answers browsers' preflights without a key
+        app.add_middleware(KeyCheck, key=policy.api_key)
     if policy.origins:
         app.add_middleware(
             CORSMiddleware,
@@ -620,12 +655,15 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
     async def health() -> dict:
         return {"status": "ok"}
 
+    # Each route also without the /v1 prefix, as mlx_lm.server and OpenAI-style clients use.
     @app.get("/v1/models")
+    @app.get("/models")
     async def models() -> dict:
         entry = {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-mlx"}
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
@@ -643,6 +681,7 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
         return await complete(request, body, ids, "chat.completion")
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions(request: Request):
         body = await parse(request, TextRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
@@ -899,7 +938,13 @@ def model_name(model: str) -> str:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Bad limits fail before anything loads."""
-    for flag, least in (("max_queue", 0), ("max_body_bytes", 1), ("max_connections", 1)):
+    for flag, least in (
+        ("max_queue", 0),
+        ("max_body_bytes", 1),
+        ("max_connections", 1),
+        ("prompt_cache_size", 1),
+        ("prompt_cache_bytes", 0),
+    ):
         if getattr(args, flag) < least:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be at least {least}, got {getattr(args, flag)}")
@@ -935,6 +980,7 @@ def run(args: argparse.Namespace) -> None:
         processor_settings(args),
         args.max_queue,
         Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
+        (args.prompt_cache_size, args.prompt_cache_bytes),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if not worker.lockstep.leader:
@@ -945,5 +991,8 @@ def run(args: argparse.Namespace) -> None:
         served_hosts(args.host, args.allowed_hosts),
         args.allowed_origins,
         args.docs,
+        args.api_key,
     )
+    if args.api_key is None and host_name(args.host) not in LOCAL_HOSTS:
+        log.warning("serving %s without --api-key: anyone who can reach it may use it", args.host)
     serve_http(create_app(worker, model_name(args.model), policy), args)

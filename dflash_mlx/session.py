@@ -30,6 +30,8 @@ DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a request body `serve` reads at most
 DEFAULT_MAX_CONNECTIONS = 64  # connections `serve` keeps open
 DEFAULT_REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send a whole request to `serve`
+DEFAULT_PROMPT_CACHE_SIZE = 10  # conversations whose caches `serve` keeps (as mlx_lm.server)
+DEFAULT_PROMPT_CACHE_BYTES = 8 * 2**30  # bytes of cached keys and values `serve` keeps at most
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
