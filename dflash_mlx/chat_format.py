@@ -82,3 +82,36 @@ def render(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> list[int]:
     if chat:
         prompt = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
     return encode_prompt(tokenizer, prompt)
+
+
+QUERY = "<query>"  # stands for a later prompt where the template is rendered around it
+
+
+def open_prompt(
+    tokenizer: TokenizerWrapper, text: str, system: str | None, chat: bool, template: dict
+) -> list[int]:
+    """Token ids of a prompt to cache and go on from later: with the chat template (`chat`),
+    a user message left open (mlx_lm.cache_prompt's convention), else the text itself."""
+    if not chat:
+        return encode_prompt(tokenizer, text)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, **template
+    )
+
+
+def continued_prompt(
+    tokenizer: TokenizerWrapper, cached: list[int], text: str, chat: bool, template: dict
+) -> list[int]:
+    """Token ids of the `cached` prompt followed by `text`: with the chat template, the rest
+    of the open user message and what the template puts after it, ready for the reply."""
+    if chat:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUERY}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **template,
+        )
+        text += rendered[rendered.index(QUERY) + len(QUERY) :]
+    return cached + tokenizer.encode(text, add_special_tokens=False)

@@ -12,7 +12,7 @@ import sys
 
 import mlx.core as mx
 
-from . import __version__, bench, chat, convert, demo, oneshot, serve, train
+from . import __version__, bench, cache_prompt, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .distributed import is_backend_error, refuse_distributed, world_group
 from .kernels.cuda import cuda_available
@@ -70,6 +70,7 @@ COMMANDS = {
     "generate": (oneshot, "generate a reply to one prompt"),
     "chat": (chat, "chat with a model in the terminal"),
     "serve": (serve, "serve an OpenAI-compatible HTTP API"),
+    "cache-prompt": (cache_prompt, "prefill a long prompt once and save it for generate/serve"),
     "bench": (bench, "benchmark DFlash against mlx-lm's own decoding"),
     "demo": (demo, "SmolLM2 with the shipped drafter: streamed reply, tau, speedup"),
     "train": (train, "train a DFlash drafter (data, features, fit, export)"),

@@ -14,14 +14,16 @@ import argparse
 import json
 import sys
 
-from .chat_format import chat_prompt, has_chat_template
+from .chat_format import chat_prompt, continued_prompt, has_chat_template
 from .distributed import Lockstep, broadcast_text, is_rank0, world_group
 from .generate import stream_generate
 from .session import (
     ReplyStats,
+    add_cache_file_argument,
     add_model_arguments,
     add_template_config_argument,
     generation_settings,
+    load_cache_file,
     load_models,
 )
 from .stops import stop_at_strings
@@ -38,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template, if it has one (default: on)",
     )
     add_template_config_argument(parser)
+    add_cache_file_argument(parser)
     parser.add_argument(
         "--stop",
         action="append",
@@ -56,14 +59,23 @@ def run(args: argparse.Namespace) -> None:
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     model, tokenizer, draft = load_models(args)
-    if args.chat_template and has_chat_template(tokenizer):  # as mlx_lm.generate: else raw
+    chat = args.chat_template and has_chat_template(tokenizer)  # as mlx_lm.generate: else raw
+    cache = load_cache_file(args, model, draft)
+    if cache is not None:  # the prompt goes on from the cached one
+        if args.system:
+            raise ValueError("--system belongs to the cached prompt (dflash-mlx cache-prompt)")
+        prompt = continued_prompt(tokenizer, cache.tokens, prompt, chat, args.chat_template_config)
+    elif chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": prompt})
         prompt = chat_prompt(tokenizer, messages, **args.chat_template_config)
     elif args.system:
         raise ValueError("--system needs the model's chat template")
     stats = ReplyStats()
-    responses = stream_generate(model, draft, tokenizer, prompt, settings=generation_settings(args))
+    settings = generation_settings(args)
+    responses = stream_generate(
+        model, draft, tokenizer, prompt, settings=settings, prompt_cache=cache
+    )
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
     for response in lockstep.steps(stop_at_strings(responses, args.stop)):
         stats.add(response)

@@ -17,6 +17,7 @@ from .session import (
     DEFAULT_PROMPT_CACHE_BYTES,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_REQUEST_TIMEOUT_S,
+    add_cache_file_argument,
     add_model_arguments,
     json_object,
 )
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes those caches may hold, target and drafter together "
         f"(default {DEFAULT_PROMPT_CACHE_BYTES})",
     )
+    add_cache_file_argument(parser)
     add_limit_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

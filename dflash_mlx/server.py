@@ -81,6 +81,7 @@ from .session import (
     PROCESSOR_SETTINGS,
     ReplyStats,
     generation_settings,
+    load_cache_file,
     load_models,
     processor_settings,
 )
@@ -492,7 +493,12 @@ class Worker:
             settings = settings.but(logits_processors=processors)
         cache = self.caches.take(job.prompt)
         responses = stream_generate(
-            self.model, self.draft, self.tokenizer, job.prompt, settings=settings, prompt_cache=cache
+            self.model,
+            self.draft,
+            self.tokenizer,
+            job.prompt,
+            settings=settings,
+            prompt_cache=cache,
         )
         return self.lockstep.steps(self.keeping(cache, stop_at_strings(responses, job.stops)), stop)
 
@@ -971,6 +977,7 @@ def run(args: argparse.Namespace) -> None:
     """Load the models from the flags and serve them until interrupted."""
     check_flags(args)
     model, tokenizer, draft = load_models(args)
+    cached = load_cache_file(args, model, draft)
     worker = Worker(
         model,
         tokenizer,
@@ -982,6 +989,8 @@ def run(args: argparse.Namespace) -> None:
         Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
         (args.prompt_cache_size, args.prompt_cache_bytes),
     )
+    if cached is not None:  # requests that start with the cached prompt go on from it
+        worker.caches.put(cached)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if not worker.lockstep.leader:
         worker.follow()

@@ -17,10 +17,12 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .cache_file import load_prompt_cache
 from .checkpoint import load_draft
 from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .loading import DTYPES, KEEP_CHECKPOINT
+from .prompt_cache import PromptCache
 from .response import GenerationResponse
 from .sampling import RULES
 from .settings import GenerationSettings
@@ -102,6 +104,24 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         help="under mlx.launch: split the target's layers over the ranks (pipeline parallel, "
         "models with mlx-lm's pipeline(): qwen3_5, qwen3_next) instead of every layer's weights",
     )
+
+
+def add_cache_file_argument(parser: argparse.ArgumentParser) -> None:
+    """`--prompt-cache-file`, for the commands that go on from a cached prompt."""
+    parser.add_argument(
+        "--prompt-cache-file",
+        help="go on from a prompt 'dflash-mlx cache-prompt' cached with this target and drafter: "
+        "only what follows it is prefilled",
+    )
+
+
+def load_cache_file(
+    args: argparse.Namespace, model: nn.Module, draft: DFlashDraft | None
+) -> PromptCache | None:
+    """The cache `--prompt-cache-file` names, checked against the loaded models, or None."""
+    if args.prompt_cache_file is None:
+        return None
+    return load_prompt_cache(args.prompt_cache_file, model, draft)
 
 
 def add_rank_timeout_argument(parser: argparse.ArgumentParser) -> None:

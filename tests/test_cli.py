@@ -38,10 +38,13 @@ def greedy_text(
     return decode_greedy(model, tokenizer, text, max_tokens, **settings)
 
 
-def decode_greedy(model, tokenizer, text: str, max_tokens: int, **settings) -> tuple[str, int]:
-    """`greedy_text` of an already rendered prompt."""
+def decode_greedy(
+    model, tokenizer, prompt: str | list[int], max_tokens: int, **settings
+) -> tuple[str, int]:
+    """`greedy_text` of an already rendered prompt (or its token ids)."""
     eos = set(tokenizer.eos_token_ids)
-    tokens, _ = mlx_lm_greedy(model, tokenizer.encode(text), max_tokens, eos, **settings)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    tokens, _ = mlx_lm_greedy(model, ids, max_tokens, eos, **settings)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     for t in tokens:

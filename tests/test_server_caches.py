@@ -19,7 +19,9 @@ KEY = "s3cret-key"
 def reply(model, tokenizer, draft, prompt: list[int], cache, max_tokens: int = 12) -> list[int]:
     settings = GenerationSettings(max_tokens=max_tokens, block_size=4)
     tokens = []
-    for r in stream_generate(model, draft, tokenizer, prompt, settings=settings, prompt_cache=cache):
+    for r in stream_generate(
+        model, draft, tokenizer, prompt, settings=settings, prompt_cache=cache
+    ):
         tokens += r.tokens
     return tokens
 
@@ -73,7 +75,11 @@ def test_an_api_key_is_asked_of_every_request_but_health(keyed, loaded):
     port = keyed
     assert get(port, "/health") == (200, {"status": "ok"})
     body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 8}).encode()
-    for headers in (JSON, {**JSON, "Authorization": "Bearer wrong"}, {**JSON, "Authorization": KEY}):
+    for headers in (
+        JSON,
+        {**JSON, "Authorization": "Bearer wrong"},
+        {**JSON, "Authorization": KEY},
+    ):
         status, head, raw = ask(port, "POST", "/v1/completions", body, headers)
         assert status == 401 and head["WWW-Authenticate"] == "Bearer"
         assert "API key" in json.loads(raw)["error"]["message"]

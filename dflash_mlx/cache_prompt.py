@@ -1,0 +1,90 @@
+"""`dflash-mlx cache-prompt`: prefill a long prompt once and save the target's and the
+drafter's caches, as `mlx_lm.cache_prompt` does; `generate` and `serve` go on from the
+file with `--prompt-cache-file`, prefilling only what follows it.
+
+    dflash-mlx cache-prompt --model M --draft D --prompt-cache-file doc.safetensors < doc.txt
+    dflash-mlx generate --model M --draft D --prompt-cache-file doc.safetensors \\
+        -p "Summarise the document above."
+
+With a chat template the cached prompt is a user message left open, and the
+prompt given later continues that message (mlx-lm's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .cache_file import save_prompt_cache
+from .chat_format import has_chat_template, open_prompt
+from .checkpoint import load_draft
+from .draft import DFlashDraft
+from .generate import stream_generate
+from .loading import DTYPES, KEEP_CHECKPOINT
+from .loop import PREFILL_STEP
+from .prompt_cache import PromptCache, make_prompt_cache
+from .session import add_template_config_argument
+from .settings import GenerationSettings
+from .target import load
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="target: mlx-lm directory or hub id")
+    parser.add_argument("--draft", help="DFlash drafter: directory or hub id")
+    parser.add_argument("--no-draft", action="store_true", help="cache the target's only")
+    parser.add_argument("--dtype", choices=[*DTYPES, KEEP_CHECKPOINT], help="as for generate")
+    parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
+    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
+    parser.add_argument("--system", help="system message (with the chat template)")
+    parser.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the prompt as the start of a user message, if the model has a chat template",
+    )
+    add_template_config_argument(parser)
+
+
+def prefill(model, tokenizer, draft: DFlashDraft | None, prompt: list[int]) -> PromptCache:
+    """Caches holding `prompt`, prefilled a chunk at a time under a progress bar."""
+    cache = make_prompt_cache(model, draft)
+    settings = GenerationSettings(max_tokens=1)
+    ends = [*range(PREFILL_STEP, len(prompt), PREFILL_STEP), len(prompt)]
+    with tqdm(total=len(prompt), unit="tok", desc="prefill", file=sys.stderr) as bar:
+        for end in ends:  # each call prefills what the last one did not
+            for _ in stream_generate(
+                model, draft, tokenizer, prompt[:end], settings=settings, prompt_cache=cache
+            ):
+                pass
+            bar.update(end - bar.n)
+    return cache
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.draft is None and not args.no_draft:
+        raise ValueError("--draft is required (or pass --no-draft to cache the target's only)")
+    text = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty (give --prompt or text on stdin)")
+    out = Path(args.prompt_cache_file)
+    if not out.parent.is_dir():
+        raise ValueError(f"--prompt-cache-file: no directory {out.parent}")
+    model, tokenizer = load(args.model, args.dtype)
+    draft = None if args.no_draft else load_draft(args.draft)
+    chat = args.chat_template and has_chat_template(tokenizer)
+    if args.system and not chat:
+        raise ValueError("--system needs the model's chat template")
+    prompt = open_prompt(tokenizer, text, args.system, chat, args.chat_template_config)
+    tic = time.perf_counter()
+    cache = prefill(model, tokenizer, draft, prompt)
+    save_prompt_cache(out, cache, model, draft)
+    seconds = time.perf_counter() - tic
+    print(
+        f"cached {len(prompt)} prompt tokens in {seconds:.1f} s ({len(prompt) / seconds:.1f} "
+        f"tok/s) to {out}",
+        file=sys.stderr,
+    )
