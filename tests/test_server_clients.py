@@ -1,13 +1,26 @@
-"""A server for several conversations and for a web app: a prompt cache per conversation
-(least recently used out first, bounded by count and bytes), an API key, and the routes
-with and without /v1. Replies still equal mlx-lm's greedy decoding token for token."""
+"""A server for several clients and conversations, and for a web app: 200 requests from 8
+concurrent clients (some cut off, some malformed), a prompt cache per conversation (least
+recently used out first, bounded by count and bytes), an API key, the routes with and without
+/v1. Every completed reply equals mlx-lm's greedy decoding token for token."""
 
 import json
+import random
+import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from test_server import JSON, PROMPTS, get, greedy_text, serving
-from test_server_limits import ask
+from test_server import (
+    JSON,
+    PROMPTS,
+    get,
+    greedy_text,
+    openai_client,
+    post,
+    running_server,
+    serving,
+)
+from test_server_limits import ask, rss_kib
 
 from dflash_mlx import GenerationSettings, make_prompt_cache, stream_generate
 from dflash_mlx.prompt_cache import PromptCacheStore, cache_bytes
@@ -110,3 +123,78 @@ def test_routes_answer_with_and_without_v1(keyed, loaded):
     assert chat.choices[0].message.content == greedy_text(loaded, PROMPTS[0], 8)[0]
     text = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=8).choices[0].text
     assert text == greedy_text(loaded, PROMPTS[1], 8, chat=False)[0]
+
+
+@pytest.fixture(scope="module")
+def busy_server(make_pair, tmp_path_factory):
+    log = tmp_path_factory.mktemp("clients") / "server.log"
+    with running_server(*make_pair("llama-tied-gqa"), log, "--max-queue", "16") as s:
+        yield s
+
+
+def client_session(port: int, seed: int, requests: int, expected: dict) -> list[str]:
+    """One client's `requests` streaming chats, some cut off after two chunks and some
+    malformed; the problems it saw (a completed reply other than its greedy one, a refusal
+    other than 400)."""
+    rng = random.Random(seed)
+    client = openai_client(port)
+    problems = []
+    for _ in range(requests):
+        prompt = rng.choice(PROMPTS)
+        kind = rng.choices(["complete", "disconnect", "malformed"], [5, 2, 1])[0]
+        if kind == "malformed":
+            status, _ = post(port, "/v1/chat/completions", b'{"messages": [{"role": "user"')
+            if status != 400:
+                problems.append(f"malformed request got {status}")
+            continue
+        messages = [{"role": "user", "content": prompt}]
+        stream = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=12, stream=True
+        )
+        text = ""
+        for i, chunk in enumerate(stream):
+            if kind == "disconnect" and i == 2:
+                stream.close()
+                break
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        else:
+            if text != expected[prompt]:
+                problems.append(f"{prompt!r}: {text!r} instead of {expected[prompt]!r}")
+    return problems
+
+
+def test_concurrent_clients_disconnecting_and_malformed_each_get_their_own_reply(
+    busy_server, loaded
+):
+    """8 clients, 200 requests: every completed reply is its prompt's greedy reply, the
+    server stays up and its memory flat once the prompt caches are warm."""
+    port, _, process = busy_server
+    expected = {p: greedy_text(loaded, p, 12)[0] for p in PROMPTS}
+    with ThreadPoolExecutor(8) as pool:  # warm-up: the caches of every prompt
+        assert (
+            sum(pool.map(client_session, [port] * 8, range(8), [5] * 8, [expected] * 8), []) == []
+        )
+    before = rss_kib(process.pid)
+    with ThreadPoolExecutor(8) as pool:
+        runs = pool.map(client_session, [port] * 8, range(8, 16), [20] * 8, [expected] * 8)
+        assert sum(runs, []) == []
+    assert get(port, "/health") == (200, {"status": "ok"})
+    after = rss_kib(process.pid)
+    assert after - before <= before / 10, (before, after)
+
+
+def test_a_client_that_never_reads_does_not_stall_the_others(busy_server, loaded):
+    port = busy_server[0]
+    reader = socket.create_connection(("127.0.0.1", port), timeout=10)
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 400, "stream": True})
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    reader.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    try:
+        client = openai_client(port)
+        for prompt in PROMPTS[:3]:
+            reply = client.completions.create(model="m", prompt=prompt, max_tokens=8)
+            assert reply.choices[0].text == greedy_text(loaded, prompt, 8, chat=False)[0]
+    finally:
+        reader.close()
