@@ -27,7 +27,7 @@ from .generate import stream_generate
 from .loading import DTYPES, KEEP_CHECKPOINT
 from .loop import PREFILL_STEP
 from .prompt_cache import PromptCache, make_prompt_cache
-from .session import add_template_config_argument
+from .session import add_prompt_arguments
 from .settings import GenerationSettings
 from .target import load
 
@@ -38,15 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-draft", action="store_true", help="cache the target's only")
     parser.add_argument("--dtype", choices=[*DTYPES, KEEP_CHECKPOINT], help="as for generate")
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
-    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
-    parser.add_argument("--system", help="system message (with the chat template)")
-    parser.add_argument(
-        "--chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the prompt as the start of a user message, if the model has a chat template",
-    )
-    add_template_config_argument(parser)
+    add_prompt_arguments(parser)
 
 
 def prefill(model, tokenizer, draft: DFlashDraft | None, prompt: list[int]) -> PromptCache:

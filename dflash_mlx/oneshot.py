@@ -21,7 +21,7 @@ from .session import (
     ReplyStats,
     add_cache_file_argument,
     add_model_arguments,
-    add_template_config_argument,
+    add_prompt_arguments,
     generation_settings,
     load_cache_file,
     load_models,
@@ -31,15 +31,7 @@ from .stops import stop_at_strings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
-    parser.add_argument("--system", help="system message (with the chat template)")
-    parser.add_argument(
-        "--chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="wrap the prompt in the model's chat template, if it has one (default: on)",
-    )
-    add_template_config_argument(parser)
+    add_prompt_arguments(parser)
     add_cache_file_argument(parser)
     parser.add_argument(
         "--stop",

@@ -106,6 +106,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     )
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that takes one prompt: the text and how it is rendered."""
+    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
+    parser.add_argument("--system", help="system message (with the chat template)")
+    parser.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template, if it has one (default: on)",
+    )
+    add_template_config_argument(parser)
+
+
 def add_cache_file_argument(parser: argparse.ArgumentParser) -> None:
     """`--prompt-cache-file`, for the commands that go on from a cached prompt."""
     parser.add_argument(
