@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from .dspark import DSparkDraft, dspark_config, is_dspark, own_weights
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .target import TargetAdapter
 
@@ -62,7 +63,8 @@ def load_draft(
     context_window: int | None = None,
     full_vocab: bool = False,
 ) -> DFlashDraft:
-    """Load a DFlash drafter from a local directory or a hub id, in either layout.
+    """Load a DFlash drafter from a local directory or a hub id, in either layout, or a
+    DSpark drafter in any of its packagings (`dspark.py`).
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
@@ -70,11 +72,16 @@ def load_draft(
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
-    config = DFlashConfig.from_dict(read_config(path))
+    raw = read_config(path)
+    weights = read_weights(path)
+    if is_dspark(raw):
+        config = dspark_config(raw)
+        weights = own_weights(config, weights)
+    else:
+        config = DFlashConfig.from_dict(raw)
     if full_vocab:
         config.draft_vocab = None
-    weights = read_weights(path)
-    model = DFlashDraft(config, kernels, context_window)
+    model = (DSparkDraft if is_dspark(raw) else DFlashDraft)(config, kernels, context_window)
     if config.quantization:
         q = config.quantization
         nn.quantize(
