@@ -112,6 +112,44 @@ def load_draft(
     return model
 
 
+def describe_draft(path_or_repo: str | Path) -> list[tuple[str, str]]:
+    """What `load_draft` reads from a drafter, as (field, value) rows for `dflash-mlx info`."""
+    draft = load_draft(path_or_repo)
+    cfg = draft.config
+    vocab = "all" if cfg.draft_vocab is None else f"{len(cfg.draft_vocab)} of {cfg.vocab_size}"
+    quant = cfg.quantization
+    rows = [
+        (
+            "drafter",
+            "DSpark"
+            if isinstance(draft, DSparkDraft)
+            else "DFlash 2"
+            if cfg.is_dflash2
+            else "DFlash 1",
+        )
+    ]
+    if isinstance(draft, DSparkDraft):
+        markov = f"rank {cfg.markov_rank}, {cfg.markov_head_type}" if cfg.markov_rank else "none"
+        confidence = "none"
+        if cfg.confidence_head:
+            confidence = "on h and W1[prev]" if cfg.confidence_with_markov else "on h"
+        rows += [
+            ("layout", cfg.layout),
+            ("slots (γ)", f"{cfg.slots}, {cfg.block_size} positions verified"),
+            ("markov head", markov),
+            ("confidence head", confidence),
+            ("layers", f"{cfg.num_hidden_layers} ({cfg.layer_kind})"),
+        ]
+    else:
+        rows += [("block size", str(cfg.block_size)), ("layers", str(cfg.num_hidden_layers))]
+    return rows + [
+        ("target layers", str(cfg.target_layer_ids)),
+        ("mask token", str(cfg.mask_token_id)),
+        ("draft vocabulary", vocab),
+        ("quantization", f"{quant['bits']}-bit, group {quant['group_size']}" if quant else "none"),
+    ]
+
+
 def init_draft(
     model: nn.Module,
     num_layers: int = 1,

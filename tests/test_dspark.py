@@ -496,3 +496,13 @@ def test_converted_dspark_keeps_its_heads_and_generates_like_mlx_lm(
     expected = reference_greedy(model, PROMPT, 60, set(tokenizer.eos_token_ids))
     tokens, _ = run(model, draft, tokenizer, PROMPT, block_size=GAMMA + 1, max_tokens=60)
     assert tokens == expected
+
+
+def test_info_says_what_the_dspark_drafter_is(dspark_pair, capsys):
+    from dflash_mlx import cli
+
+    cli.main(["info", str(dspark_pair("speculators")[1])])
+    out = capsys.readouterr().out
+    for line in ("drafter", "DSpark"), ("layout", "speculators"), ("slots (γ)", "5, 6 positions"):
+        assert any(row.startswith(line[0]) and line[1] in row for row in out.splitlines()), line
+    assert "rank 8, vanilla" in out and "on h and W1[prev]" in out and "200 of 320" in out
