@@ -47,7 +47,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from . import backends
 from .adaptive import FIXED_CYCLE_COSTS, interpolated_cost
-from .draft import BlockContext, DFlashConfig, DFlashDraft, DraftAttention, DraftHead
+from .draft import MLP, BlockContext, DFlashConfig, DFlashDraft, DraftAttention, DraftHead
 from .tree import Tree, build_selector_tree, build_tree, ranked_edges, top_candidates
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -309,12 +309,8 @@ class Gemma4Attention(DraftAttention):
         return keys, values
 
 
-class GeGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+class GeGLU(MLP):
+    """The draft MLP with Gemma's tanh-approximated GELU gate."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))

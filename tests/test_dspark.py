@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import read_config, reference_greedy
+from helpers import layer_tensors, read_config, reference_greedy
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 
@@ -57,18 +57,7 @@ def save_dspark(path: Path, target: dict, layout: str, seed: int = 2) -> Path:
     w["norm.weight"] = norm(hidden)
     for i in range(layers):
         p = f"layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = mat(heads * head_dim, hidden)
-        w[p + "self_attn.k_proj.weight"] = mat(kv * head_dim, hidden)
-        if not k_eq_v:
-            w[p + "self_attn.v_proj.weight"] = mat(kv * head_dim, hidden)
-        w[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
-        w[p + "self_attn.q_norm.weight"] = norm(head_dim)
-        w[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = mat(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = mat(hidden, inter)
-        w[p + "input_layernorm.weight"] = norm(hidden)
-        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        w.update(layer_tensors(p, mat, norm, hidden, (heads, kv, head_dim), inter, not k_eq_v))
         if gemma4:
             w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
             w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
