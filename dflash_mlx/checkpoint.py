@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from .dspark import DSparkDraft, dspark_config, is_dspark, own_weights
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .target import TargetAdapter
 
@@ -62,7 +63,8 @@ def load_draft(
     context_window: int | None = None,
     full_vocab: bool = False,
 ) -> DFlashDraft:
-    """Load a DFlash drafter from a local directory or a hub id, in either layout.
+    """Load a DFlash drafter from a local directory or a hub id, in either layout, or a
+    DSpark drafter in any of its packagings (`dspark.py`).
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
@@ -70,11 +72,16 @@ def load_draft(
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
-    config = DFlashConfig.from_dict(read_config(path))
+    raw = read_config(path)
+    weights = read_weights(path)
+    if is_dspark(raw):
+        config = dspark_config(raw)
+        weights = own_weights(config, weights)
+    else:
+        config = DFlashConfig.from_dict(raw)
     if full_vocab:
         config.draft_vocab = None
-    weights = read_weights(path)
-    model = DFlashDraft(config, kernels, context_window)
+    model = (DSparkDraft if is_dspark(raw) else DFlashDraft)(config, kernels, context_window)
     if config.quantization:
         q = config.quantization
         nn.quantize(
@@ -103,6 +110,44 @@ def load_draft(
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def describe_draft(path_or_repo: str | Path) -> list[tuple[str, str]]:
+    """What `load_draft` reads from a drafter, as (field, value) rows for `dflash-mlx info`."""
+    draft = load_draft(path_or_repo)
+    cfg = draft.config
+    vocab = "all" if cfg.draft_vocab is None else f"{len(cfg.draft_vocab)} of {cfg.vocab_size}"
+    quant = cfg.quantization
+    rows = [
+        (
+            "drafter",
+            "DSpark"
+            if isinstance(draft, DSparkDraft)
+            else "DFlash 2"
+            if cfg.is_dflash2
+            else "DFlash 1",
+        )
+    ]
+    if isinstance(draft, DSparkDraft):
+        markov = f"rank {cfg.markov_rank}, {cfg.markov_head_type}" if cfg.markov_rank else "none"
+        confidence = "none"
+        if cfg.confidence_head:
+            confidence = "on h and W1[prev]" if cfg.confidence_with_markov else "on h"
+        rows += [
+            ("layout", cfg.layout),
+            ("slots (γ)", f"{cfg.slots}, {cfg.block_size} positions verified"),
+            ("markov head", markov),
+            ("confidence head", confidence),
+            ("layers", f"{cfg.num_hidden_layers} ({cfg.layer_kind})"),
+        ]
+    else:
+        rows += [("block size", str(cfg.block_size)), ("layers", str(cfg.num_hidden_layers))]
+    return rows + [
+        ("target layers", str(cfg.target_layer_ids)),
+        ("mask token", str(cfg.mask_token_id)),
+        ("draft vocabulary", vocab),
+        ("quantization", f"{quant['bits']}-bit, group {quant['group_size']}" if quant else "none"),
+    ]
 
 
 def init_draft(

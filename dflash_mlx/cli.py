@@ -31,7 +31,16 @@ def device_description() -> str:
     return f"{device.type.name}: {name} ({backend})"
 
 
-def info(_: argparse.Namespace) -> None:
+def info(args: argparse.Namespace) -> None:
+    from .checkpoint import describe_draft
+
+    rows = describe_draft(args.draft) if getattr(args, "draft", None) else system_rows()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def system_rows() -> list[tuple[str, str]]:
     import mlx_lm
     from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -39,7 +48,7 @@ def info(_: argparse.Namespace) -> None:
     from .kernels import active_backend
     from .loading import default_dtype
 
-    rows = [
+    return [
         ("dflash-mlx", __version__),
         ("python", platform.python_version()),
         ("platform", f"{platform.system()} {platform.machine()}"),
@@ -58,9 +67,6 @@ def info(_: argparse.Namespace) -> None:
         ("dflash-mlx cache", str(cache_dir())),
         ("hugging face cache", str(HF_HUB_CACHE)),
     ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
 
 
 # Subcommands that run under mlx.launch (target sharded over the ranks, run in lockstep).
@@ -94,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(func=module.run)
 
-    p = sub.add_parser("info", help="show MLX, BLAS, Metal and cache information")
+    p = sub.add_parser("info", help="show MLX, BLAS, Metal and cache information, or a drafter's")
+    p.add_argument("draft", nargs="?", help="describe this drafter (directory or hub id) instead")
     p.set_defaults(func=info)
     return parser
 

@@ -118,6 +118,7 @@ class ChainStep:
         context = seq.tokens + [root] if seq.verifier.processors else None
         if n > 1:
             drafts, logq = seq.proposer.chain(root_id, n - 1, context)
+            n = drafts.size + 1  # a proposer may stop short (a DSpark confidence head)
             verify = mx.concatenate([root_id, drafts.astype(root_id.dtype)])
         else:
             drafts, logq, verify = mx.array([], dtype=mx.uint32), None, root_id

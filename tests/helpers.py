@@ -148,6 +148,29 @@ def set_eos(path: Path, eos_token_id: int) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
+def layer_tensors(
+    p: str, mat, norm, hidden: int, shape: tuple[int, int, int], inter: int, values: bool = True
+) -> dict[str, np.ndarray]:
+    """A draft layer's attention, MLP and norm tensors under prefix `p`; `shape` is
+    (heads, kv heads, head dim); `values` False leaves out `v_proj` (K = V attention)."""
+    heads, kv_heads, head_dim = shape
+    w = {
+        p + "self_attn.q_proj.weight": mat(heads * head_dim, hidden),
+        p + "self_attn.k_proj.weight": mat(kv_heads * head_dim, hidden),
+    }
+    if values:  # drawn in this order, so the random drafters stay as they were
+        w[p + "self_attn.v_proj.weight"] = mat(kv_heads * head_dim, hidden)
+    w[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
+    w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+    w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+    w[p + "mlp.gate_proj.weight"] = mat(inter, hidden)
+    w[p + "mlp.up_proj.weight"] = mat(inter, hidden)
+    w[p + "mlp.down_proj.weight"] = mat(hidden, inter)
+    w[p + "input_layernorm.weight"] = norm(hidden)
+    w[p + "post_attention_layernorm.weight"] = norm(hidden)
+    return w
+
+
 def save_draft(
     path: Path,
     target_config: dict,
@@ -188,17 +211,7 @@ def save_draft(
     inter = hidden * 2
     for i in range(layers):
         p = f"layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = mat(heads * head_dim, hidden)
-        w[p + "self_attn.k_proj.weight"] = mat(kv_heads * head_dim, hidden)
-        w[p + "self_attn.v_proj.weight"] = mat(kv_heads * head_dim, hidden)
-        w[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
-        w[p + "self_attn.q_norm.weight"] = norm(head_dim)
-        w[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = mat(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = mat(hidden, inter)
-        w[p + "input_layernorm.weight"] = norm(hidden)
-        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        w.update(layer_tensors(p, mat, norm, hidden, (heads, kv_heads, head_dim), inter))
         if dflash2:
             taps, groups = dflash2["conv_kernel_size"], hidden // dflash2["conv_group_size"]
             for conv in ("attention_conv", "mlp_conv"):
