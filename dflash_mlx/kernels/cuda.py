@@ -28,13 +28,14 @@ they take.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import requested_backend
+from . import cuda_quantized, requested_backend
 
 THREADS = 256  # 8 warps per (query, head)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -387,15 +388,29 @@ FEW_ROWS_CLASSES = {nn.Linear: FewRowsLinear, nn.Embedding: FewRowsEmbedding}
 
 def few_rows_class(module: nn.Module) -> type | None:
     """The class `module` takes while a graph is built on CUDA, or None to keep its own: plain
-    (not quantized, not sharded) linear layers and embeddings with a `few_rows_weight`."""
+    (not sharded) linear layers and embeddings with a `few_rows_weight`, and quantized ones
+    that `cuda_quantized` takes."""
     swap = FEW_ROWS_CLASSES.get(type(module))
-    return swap if swap is not None and few_rows_weight(module["weight"]) else None
+    if swap is not None and few_rows_weight(module["weight"]):
+        return swap
+    return cuda_quantized.few_rows_class(module)
 
 
-def plain_linears(modules: list[nn.Module]) -> list[nn.Module]:
-    """The `nn.Linear` layers (that class exactly: not quantized, not sharded) in `modules`,
-    for `backends.block_swaps`: found once, not at every forward."""
-    return [m for module in modules for m in module.modules() if type(m) is nn.Linear]
+def linears(modules: list[nn.Module]) -> list[nn.Module]:
+    """The `nn.Linear` and `nn.QuantizedLinear` layers (those classes exactly: not sharded) in
+    `modules`, for `backends.block_swaps`: found once, not at every forward."""
+    kinds = (nn.Linear, nn.QuantizedLinear)
+    return [m for module in modules for m in module.modules() if type(m) in kinds]
+
+
+def few_rows_head(head: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The LM head `head` (a linear layer or embedding without bias) as the drafter's block
+    multiplies by it on CUDA, through a few-rows kernel, or None where none takes it."""
+    if "bias" in head or not few_rows_class(head):
+        return None
+    if isinstance(head, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return partial(cuda_quantized.product, head)
+    return partial(times_transposed, weight=head["weight"])
 
 
 @cache
