@@ -18,7 +18,7 @@ import pytest
 import qmv_model
 import test_families
 from helpers import reference_greedy
-from test_cuda_verify import as_cuda, run  # noqa: F401  (as_cuda: its fixture, shared)
+from test_cuda_verify import as_cuda, assert_products_taken, run  # noqa: F401  (as_cuda: its fixture)
 from test_families import FAMILIES, PROMPT, build, first_difference
 
 from dflash_mlx import target as target_module
@@ -279,13 +279,9 @@ def test_verify_and_draft_quantized_products_take_the_kernel(
     assert tokens == expected[:MAX_TOKENS], (
         f"first difference at {first_difference(tokens, expected)}"
     )
-    assert all(2 <= rows <= 8 for rows, _ in quantized_products)
-    taken = {weight for _, weight in quantized_products}
-    target = target_module.TargetAdapter(model)
-    assert isinstance(target.head, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
-    layers = [m for layer in [*target.layers, *draft.layers] for m in layer.modules()]
-    wanted = {id(m.weight) for m in layers if type(m) is nn.QuantizedLinear}
-    assert wanted and wanted | {id(target.head.weight)} <= taken
+    head = target_module.TargetAdapter(model).head
+    assert isinstance(head, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+    assert_products_taken(model, draft, quantized_products, nn.QuantizedLinear)
     assert classes == {id(m): type(m) for m in [*model.modules(), *draft.modules()]}
 
 

@@ -189,7 +189,9 @@ def verify_attention(
     return out.transpose(0, 2, 1, 3)
 
 
-FEW_ROWS_SOURCE = """
+FEW_ROWS_SOURCE = (
+    cuda_quantized.ROWS_PREAMBLE
+    + """
     // out (M, N) = x (M, K) @ w (N, K).T for M <= 16, with tensor-core MMAs. A block of
     // THREADS threads makes 8 * N_TILES output columns; its warps take turns along K in
     // steps of 32 and add their partial sums up in shared memory at the end (a fixed
@@ -202,14 +204,6 @@ FEW_ROWS_SOURCE = """
     constexpr int WARPS = THREADS / 32;
     constexpr int COLS = 8 * N_TILES;
     __shared__ float partial[WARPS][16][COLS];
-    const int K = x_shape[x_ndim - 1];
-    int M = 1;
-    for (int i = 0; i < x_ndim - 1; ++i) {
-        M *= x_shape[i];
-    }
-    const int N = w_shape[0];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
     const int g = lane / 4;
     const int t = lane % 4;
     const int n0 = blockIdx.x * COLS;
@@ -265,6 +259,7 @@ FEW_ROWS_SOURCE = """
         }
     }
 """
+)
 
 FEW_ROWS_HEADER = """
 // d += a (16 x 16, row-major fragment) * b (16 x 8, column-major fragment), fp32 accumulators.
@@ -342,15 +337,8 @@ def few_rows_supports(x: mx.array, weight: mx.array) -> bool:
 def few_rows_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` for a few rows of x (`few_rows_supports`): fp32 sums rounded once."""
     n_out = weight.shape[0]
-    template, grid, threads = _few_rows_launch(x.dtype, n_out)
-    return _few_rows_kernel()(
-        inputs=[x, weight],
-        template=template,
-        grid=grid,
-        threadgroup=threads,
-        output_shapes=[(*x.shape[:-1], n_out)],
-        output_dtypes=[x.dtype],
-    )[0]
+    launch = _few_rows_launch(x.dtype, n_out)
+    return cuda_quantized.rows_product(_few_rows_kernel(), [x, weight], launch, x, n_out)
 
 
 def times_transposed(x: mx.array, weight: mx.array) -> mx.array:

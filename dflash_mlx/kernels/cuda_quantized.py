@@ -135,15 +135,9 @@ template <bool B, typename Yes, typename No> struct Choose { using type = Yes; }
 template <typename Yes, typename No> struct Choose<false, Yes, No> { using type = No; };
 """
 
-SOURCE = """
-    // out (M, N) = x (M, K) @ dequantize(w).T, M <= GROUPS * ROWS: the module docstring says
-    // how, tests/qmv_model.py mirrors it. A warp takes one column and ROWS rows; the GROUPS
-    // warps of a column sit in one block, so its weight comes from DRAM once.
-    using T2 = typename Pair<T>::type;
-    constexpr int E = BITS == 4 ? 16 : 8;
-    constexpr int STEP = 32 * E;
-    constexpr int ACC = BITS == 4 ? E / 2 : E;
-    using Acc = typename Choose<BITS == 4, T2, float>::type;
+# The start of both few-rows kernels (this one and `cuda.py`'s): x (..., K) is M rows of K,
+# w (N, ...) makes N output columns.
+ROWS_PREAMBLE = """
     const int K = x_shape[x_ndim - 1];
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) {
@@ -152,6 +146,19 @@ SOURCE = """
     const int N = w_shape[0];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
+"""
+
+SOURCE = (
+    ROWS_PREAMBLE
+    + """
+    // out (M, N) = x (M, K) @ dequantize(w).T, M <= GROUPS * ROWS: the module docstring says
+    // how, tests/qmv_model.py mirrors it. A warp takes one column and ROWS rows; the GROUPS
+    // warps of a column sit in one block, so its weight comes from DRAM once.
+    using T2 = typename Pair<T>::type;
+    constexpr int E = BITS == 4 ? 16 : 8;
+    constexpr int STEP = 32 * E;
+    constexpr int ACC = BITS == 4 ? E / 2 : E;
+    using Acc = typename Choose<BITS == 4, T2, float>::type;
     const int col = blockIdx.x * (WARPS / GROUPS) + warp / GROUPS;
     const int first_row = (warp % GROUPS) * ROWS;
     const int rows = min(ROWS, M - first_row);
@@ -200,6 +207,7 @@ SOURCE = """
         }
     }
 """
+)
 
 
 @cache
@@ -257,10 +265,17 @@ def quantized_matmul(
     """`mx.quantized_matmul(x, weight, scales, biases, transpose=True, ...)` for 1..MAX_ROWS
     rows of x (x in the scales' dtype; the weights as `takes` says), each row rounded as MLX's
     one-row product on CUDA rounds it."""
-    rows, n_out = x.size // x.shape[-1], weight.shape[0]
-    template, grid, threads = _launch(x.dtype, bits, group_size, rows, n_out)
-    return _kernel()(
-        inputs=[x, weight, scales, biases],
+    launch = _launch(x.dtype, bits, group_size, x.size // x.shape[-1], weight.shape[0])
+    return rows_product(_kernel(), [x, weight, scales, biases], launch, x, weight.shape[0])
+
+
+def rows_product(kernel, inputs: list, launch: tuple, x: mx.array, n_out: int) -> mx.array:
+    """The one output of a few-rows `kernel` (this module's or `cuda.py`'s) over `inputs`,
+    launched as `launch` = (template, grid, threadgroup): (..., n_out) for x (..., K), in x's
+    dtype."""
+    template, grid, threads = launch
+    return kernel(
+        inputs=inputs,
         template=template,
         grid=grid,
         threadgroup=threads,
