@@ -18,8 +18,9 @@
 #
 # Steps (each bounded by `timeout`, its log under $OUT, a summary line in $OUT/summary.txt):
 #   cycle_cost.py for the Qwen3-4B and Qwen3-8B shapes in bf16 and 4-bit (cycle in mlx-lm steps,
-#   the loop at block 1, drafter / verify / host split, trees of 4, 8 and 16); cuda_linear.py
-#   (the few-rows kernel against MLX's products); `pytest -m cuda`; tests/test_reads.py; and
+#   the loop at block 1, drafter / verify / host split, trees of 4, 8 and 16); the quantized
+#   kernel's tests (tests/test_cuda_quantized.py); cuda_linear.py (the few-rows kernels against
+#   MLX's products, bf16 and 4-bit); `pytest -m cuda`; tests/test_reads.py; and
 #   `dflash-mlx bench` on SmolLM2 for the identity column and top-2 gaps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,14 +81,17 @@ for shape in $SHAPES; do
   step "cycle-$shape-4bit" 150 python3 benchmarks/cycle_cost.py --shape "$shape" "${SIZE[@]}" \
     -q 4 --json "$OUT/cycle-$shape-4bit.json"
 done
-if [ "$DRY" = 0 ]; then
-  step cuda-linear 120 python3 benchmarks/cuda_linear.py --shape qwen3-8b
-else
-  echo "cuda-linear: skipped (needs MLX's CUDA backend)" | tee -a "$SUMMARY"
-fi
 # the files with the cuda tests and the read counts alone: the others import the web and test
 # stacks (fastapi, openai, pexpect, scipy) that the GPU image lacks; no xdist there either
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts=)
+# the quantized kernel's rows bit for bit MLX's one-row products (36 kernel builds)
+step pytest-cuda-quantized 300 "${PYTEST[@]}" tests/test_cuda_quantized.py
+if [ "$DRY" = 0 ]; then
+  step cuda-linear 120 python3 benchmarks/cuda_linear.py --shape qwen3-8b
+  step cuda-linear-4bit 150 python3 benchmarks/cuda_linear.py --shape qwen3-8b -q 4 --rounds 3
+else
+  echo "cuda-linear: skipped (needs MLX's CUDA backend)" | tee -a "$SUMMARY"
+fi
 step pytest-cuda 240 "${PYTEST[@]}" -m cuda tests/test_cuda_verify.py tests/test_target.py
 step reads 120 "${PYTEST[@]}" tests/test_reads.py
 SMOLLM2=$(python3 -c "from dflash_mlx.gguf import SMOLLM2_NAME; from dflash_mlx.paths import \

@@ -98,7 +98,8 @@ def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) 
     """The swaps of a target forward over `positions` on `backend`, for the modules inside
     `modules` (None: another pipeline rank's layer): on the CPU the norms and RoPEs
     (compiled) and, over several positions, SwiGLU and SDPA; on CUDA, over several
-    positions, SDPA and the plain linear layers and LM head (`kernels.cuda.few_rows_class`).
+    positions, SDPA and the linear layers and LM head, plain or quantized
+    (`kernels.cuda.few_rows_class`).
     """
     several = positions > 1
     swaps = []
@@ -115,7 +116,7 @@ def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) 
 
 def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
     """The swaps of the drafter's block (2-16 rows) on `backend`: on the CPU its norms and
-    RoPEs run compiled, on CUDA its plain linear layers take the few-rows kernel."""
+    RoPEs run compiled, on CUDA its linear layers (plain or quantized) take a few-rows kernel."""
     if backend == "cpu":
         return [
             (m, type(m), cpu_math.COMPILED_CLASSES[type(m)])
@@ -123,9 +124,9 @@ def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
         ]
     if backend == "cuda":
         return [
-            (m, nn.Linear, cuda_kernels.FewRowsLinear)
-            for m in cuda_kernels.plain_linears(modules)
-            if cuda_kernels.few_rows_class(m)
+            (m, type(m), few)
+            for m in cuda_kernels.linears(modules)
+            if (few := cuda_kernels.few_rows_class(m))
         ]
     return []
 

@@ -306,11 +306,9 @@ class TargetAdapter:
         """The head the drafter proposes through (`draft.DraftHead`): the LM head, restricted
         to `token_ids` if given. Build it once per generation: the restriction slices the
         weights."""
-        if token_ids is None:
-            plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
-            if plain and backends.current() == "cuda":  # the drafter's block: 2-16 rows
-                return FullHead(partial(cuda_kernels.times_transposed, weight=self.head.weight))
-            return FullHead(self.lm_head)
+        if token_ids is None:  # on CUDA the drafter's block (2-16 rows) takes a few-rows kernel
+            few_rows = backends.current() == "cuda" and cuda_kernels.few_rows_head(self.head)
+            return FullHead(few_rows or self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)
             outside[mx.array(token_ids)] = 0.0

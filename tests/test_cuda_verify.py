@@ -148,6 +148,17 @@ def few_rows(as_cuda, monkeypatch):
     return calls
 
 
+def assert_products_taken(model, draft, calls: list, layer_class: type) -> None:
+    """The kernel's `calls` ((rows, id of the weight)) had 2..8 rows each and took every
+    `layer_class` layer of the target's blocks and of the drafter, and the LM head."""
+    assert all(2 <= rows <= 8 for rows, _ in calls)
+    taken = {weight for _, weight in calls}
+    target = target_module.TargetAdapter(model)
+    layers = [m for layer in [*target.layers, *draft.layers] for m in layer.modules()]
+    wanted = {id(m.weight) for m in layers if type(m) is layer_class}
+    assert wanted and wanted | {id(target.head.weight)} <= taken
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_verify_and_draft_products_of_several_rows_take_the_few_rows_kernel(
     tokenizer, few_rows, name
@@ -164,12 +175,7 @@ def test_verify_and_draft_products_of_several_rows_take_the_few_rows_kernel(
         assert tokens == expected[:MAX_TOKENS], (
             f"first difference at {first_difference(tokens, expected)}"
         )
-    assert all(2 <= rows <= 8 for rows, _ in few_rows)
-    taken = {weight for _, weight in few_rows}
-    target = target_module.TargetAdapter(model)
-    linears = [m for layer in [*target.layers, *draft.layers] for m in layer.modules()]
-    wanted = {id(m.weight) for m in linears if type(m) is nn.Linear} | {id(target.head.weight)}
-    assert wanted <= taken
+    assert_products_taken(model, draft, few_rows, nn.Linear)
     assert classes == {id(m): type(m) for m in [*model.modules(), *draft.modules()]}
 
 

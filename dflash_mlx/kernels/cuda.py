@@ -28,13 +28,14 @@ they take.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import requested_backend
+from . import cuda_quantized, requested_backend
 
 THREADS = 256  # 8 warps per (query, head)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -188,7 +189,9 @@ def verify_attention(
     return out.transpose(0, 2, 1, 3)
 
 
-FEW_ROWS_SOURCE = """
+FEW_ROWS_SOURCE = (
+    cuda_quantized.ROWS_PREAMBLE
+    + """
     // out (M, N) = x (M, K) @ w (N, K).T for M <= 16, with tensor-core MMAs. A block of
     // THREADS threads makes 8 * N_TILES output columns; its warps take turns along K in
     // steps of 32 and add their partial sums up in shared memory at the end (a fixed
@@ -201,14 +204,6 @@ FEW_ROWS_SOURCE = """
     constexpr int WARPS = THREADS / 32;
     constexpr int COLS = 8 * N_TILES;
     __shared__ float partial[WARPS][16][COLS];
-    const int K = x_shape[x_ndim - 1];
-    int M = 1;
-    for (int i = 0; i < x_ndim - 1; ++i) {
-        M *= x_shape[i];
-    }
-    const int N = w_shape[0];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
     const int g = lane / 4;
     const int t = lane % 4;
     const int n0 = blockIdx.x * COLS;
@@ -264,6 +259,7 @@ FEW_ROWS_SOURCE = """
         }
     }
 """
+)
 
 FEW_ROWS_HEADER = """
 // d += a (16 x 16, row-major fragment) * b (16 x 8, column-major fragment), fp32 accumulators.
@@ -341,15 +337,8 @@ def few_rows_supports(x: mx.array, weight: mx.array) -> bool:
 def few_rows_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` for a few rows of x (`few_rows_supports`): fp32 sums rounded once."""
     n_out = weight.shape[0]
-    template, grid, threads = _few_rows_launch(x.dtype, n_out)
-    return _few_rows_kernel()(
-        inputs=[x, weight],
-        template=template,
-        grid=grid,
-        threadgroup=threads,
-        output_shapes=[(*x.shape[:-1], n_out)],
-        output_dtypes=[x.dtype],
-    )[0]
+    launch = _few_rows_launch(x.dtype, n_out)
+    return cuda_quantized.rows_product(_few_rows_kernel(), [x, weight], launch, x, n_out)
 
 
 def times_transposed(x: mx.array, weight: mx.array) -> mx.array:
@@ -387,15 +376,29 @@ FEW_ROWS_CLASSES = {nn.Linear: FewRowsLinear, nn.Embedding: FewRowsEmbedding}
 
 def few_rows_class(module: nn.Module) -> type | None:
     """The class `module` takes while a graph is built on CUDA, or None to keep its own: plain
-    (not quantized, not sharded) linear layers and embeddings with a `few_rows_weight`."""
+    (not sharded) linear layers and embeddings with a `few_rows_weight`, and quantized ones
+    that `cuda_quantized` takes."""
     swap = FEW_ROWS_CLASSES.get(type(module))
-    return swap if swap is not None and few_rows_weight(module["weight"]) else None
+    if swap is not None and few_rows_weight(module["weight"]):
+        return swap
+    return cuda_quantized.few_rows_class(module)
 
 
-def plain_linears(modules: list[nn.Module]) -> list[nn.Module]:
-    """The `nn.Linear` layers (that class exactly: not quantized, not sharded) in `modules`,
-    for `backends.block_swaps`: found once, not at every forward."""
-    return [m for module in modules for m in module.modules() if type(m) is nn.Linear]
+def linears(modules: list[nn.Module]) -> list[nn.Module]:
+    """The `nn.Linear` and `nn.QuantizedLinear` layers (those classes exactly: not sharded) in
+    `modules`, for `backends.block_swaps`: found once, not at every forward."""
+    kinds = (nn.Linear, nn.QuantizedLinear)
+    return [m for module in modules for m in module.modules() if type(m) in kinds]
+
+
+def few_rows_head(head: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The LM head `head` (a linear layer or embedding without bias) as the drafter's block
+    multiplies by it on CUDA, through a few-rows kernel, or None where none takes it."""
+    if "bias" in head or not few_rows_class(head):
+        return None
+    if isinstance(head, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return partial(cuda_quantized.product, head)
+    return partial(times_transposed, weight=head["weight"])
 
 
 @cache
