@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import backends, hooks
+from . import backends, few_rows_quantized, hooks
 from .kernels import cuda as cuda_kernels
 from .loading import cast_model, load_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
@@ -216,17 +216,8 @@ class RestrictedHead:
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
         w = self.weights
-        if self.quantized:
-            out = mx.quantized_matmul(
-                x,
-                w["weight"],
-                scales=w["scales"],
-                biases=w.get("biases"),
-                transpose=True,
-                group_size=self.head.group_size,
-                bits=self.head.bits,
-                mode=self.head.mode,
-            )
+        if self.quantized:  # MLX's product, or on the CPU over 2+ rows the few-row one
+            out = few_rows_quantized.quantized_matmul(x, self.head, w)
         elif self.few_rows:
             out = cuda_kernels.times_transposed(x, w["weight"])
         else:
@@ -310,6 +301,8 @@ class TargetAdapter:
             plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
             if plain and backends.current() == "cuda":  # the drafter's block: 2-16 rows
                 return FullHead(partial(cuda_kernels.times_transposed, weight=self.head.weight))
+            if backends.current() == "cpu" and (few := few_rows_quantized.head(self.head)):
+                return FullHead(few)
             return FullHead(self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)
