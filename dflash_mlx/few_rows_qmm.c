@@ -63,9 +63,12 @@ static inline __attribute__((always_inline)) void accumulate(int G, int J, int n
     }
 }
 
-/* A thread per 64K weight elements, up to OpenMP's count. */
+/* A thread per 4M weight elements (an LM head's product), up to OpenMP's count: a layer's
+ * products take well under a millisecond on one thread, and on a shared, loaded machine a
+ * second thread costs more in waiting for a core than it saves (a 16-position SmolLM2 forward
+ * took 3-6x longer with a thread per 64K elements, as few_rows_sgemm.c has). */
 static int thread_count(int N, int K) {
-  long threads = (long)N * K / 65536;
+  long threads = (long)N * K / (1L << 22);
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
 #endif
