@@ -31,7 +31,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from . import cpu_math
+from . import cpu_math, few_rows_quantized
 from .kernels import cuda as cuda_kernels
 from .swaps import Swap, rebound_class, swapped
 
@@ -97,15 +97,17 @@ def verify_class(cls: type, backend: str) -> type | None:
 def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) -> list[Swap]:
     """The swaps of a target forward over `positions` on `backend`, for the modules inside
     `modules` (None: another pipeline rank's layer): on the CPU the norms and RoPEs
-    (compiled) and, over several positions, SwiGLU and SDPA; on CUDA, over several
-    positions, SDPA and the linear layers and LM head, plain or quantized
-    (`kernels.cuda.few_rows_class`).
+    (compiled) and, over several positions, SwiGLU, SDPA and the quantized layers and LM head
+    (`few_rows_quantized.few_rows_class`); on CUDA, over several positions, SDPA and the linear
+    layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`).
     """
     several = positions > 1
     swaps = []
     for module in filter(None, modules):
         for m in module.modules():
             if backend == "cuda" and several and (few := cuda_kernels.few_rows_class(m)):
+                swaps.append((m, type(m), few))
+            elif backend == "cpu" and several and (few := few_rows_quantized.few_rows_class(m)):
                 swaps.append((m, type(m), few))
             elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
                 swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
@@ -116,12 +118,14 @@ def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) 
 
 def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
     """The swaps of the drafter's block (2-16 rows) on `backend`: on the CPU its norms and
-    RoPEs run compiled, on CUDA its linear layers (plain or quantized) take a few-rows kernel."""
+    RoPEs run compiled and its quantized layers take the few-row product, on CUDA its linear
+    layers (plain or quantized) take a few-rows kernel."""
     if backend == "cpu":
-        return [
+        compiled = [
             (m, type(m), cpu_math.COMPILED_CLASSES[type(m)])
             for m in cpu_math.compiled_modules(modules)
         ]
+        return compiled + few_rows_quantized.swaps(modules)
     if backend == "cuda":
         return [
             (m, type(m), few)

@@ -44,6 +44,7 @@ from .checkpoint import init_draft, load_draft
 from .distributed import Lockstep, share, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import stream_generate
+from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import PromptCache, make_prompt_cache
 from .response import GenerationResponse
 from .sampling import RULES
@@ -508,6 +509,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target model dir or hub id (default: SmolLM2-135M)")
     parser.add_argument("--draft", help="drafter dir or hub id (default: a random drafter)")
     parser.add_argument(
+        "--dtype",
+        choices=[*DTYPES, KEEP_CHECKPOINT],
+        help="the target's dtype (default: float32 on the CPU; checkpoint: keep its quantization)",
+    )
+    parser.add_argument(
         "--draft-layers", type=int, default=1, help="layers of the random drafter (no --draft)"
     )
     parser.add_argument("--block-size", type=int, help="default: the drafter's (16 if random)")
@@ -552,7 +558,7 @@ def run(args: argparse.Namespace) -> None:
         from .gguf import smollm2_model_dir
 
         args.model = str(smollm2_model_dir())
-    model, tokenizer = load(args.model, tensor_group=group)
+    model, tokenizer = load(args.model, dtype=args.dtype, tensor_group=group)
     if args.draft:
         draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
         draft_label = args.draft
@@ -597,6 +603,7 @@ def run(args: argparse.Namespace) -> None:
         "config": {
             "model": args.model,
             "draft": draft_label,
+            "dtype": args.dtype,
             "random_draft": args.draft is None,
             "block_size": args.block_size or draft.config.block_size,
             "max_tokens": args.max_tokens,

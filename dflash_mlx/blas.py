@@ -14,7 +14,7 @@ MLX's bundled BLAS, and `active_blas()` (`dflash-mlx info`) says why. Set
 DFLASH_MLX_NO_BLAS=1 to keep MLX's bundled BLAS.
 
 In front of OpenBLAS goes `few_rows_sgemm.c`, built once per machine with the
-system C compiler, with OpenMP where it has it (cached in `paths.cache_dir()`/kernels):
+system C compiler, with OpenMP where it has it (cached by `native.py`):
 products of up to 32 rows against a weight matrix, a decoding step's and a verify
 forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
 weight matrix on every call. Everything else goes on to OpenBLAS. Set
@@ -24,16 +24,12 @@ DFLASH_MLX_NO_FEW_ROWS=1 to bind OpenBLAS alone.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from .paths import cache_dir
+from . import native
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -106,25 +102,17 @@ def _kernel_library() -> ctypes.CDLL | None:
 def _built_kernel() -> tuple[Path, bool]:
     """(the compiled kernel for this source, compiler and CPU, whether it is threaded),
     built once: with OpenMP, or on one thread where the compiler has none."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc) found")
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):  # a shared cache may serve several CPUs
-        cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
-    cache, source = cache_dir() / "kernels", KERNEL_SOURCE.read_text()
+    cc, source = native.compiler(), KERNEL_SOURCE.read_text()
     builds = []
     for flags in ([*KERNEL_FLAGS, "-fopenmp"], list(KERNEL_FLAGS)):
-        key = "\0".join([source, compiler, *flags, platform.machine(), cpu])
-        name = f"few_rows_sgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-        builds.append((flags, cache / name))
+        builds.append((flags, native.cached_path("few_rows_sgemm", [source, cc, *flags])))
     for flags, path in builds:
         if path.exists():
             return path, "-fopenmp" in flags
     errors = []
     for flags, path in builds:
         try:
-            _compile(compiler, flags, path)
+            _compile(cc, flags, path)
             return path, "-fopenmp" in flags
         except RuntimeError as exc:
             errors.append(str(exc))
@@ -132,22 +120,7 @@ def _built_kernel() -> tuple[Path, bool]:
 
 
 def _compile(compiler: str, flags: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(KERNEL_SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
-        os.replace(tmp, path)  # atomic: a concurrent import sees all of it or nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    native.build(path, lambda out, _: [[compiler, *flags, "-o", out, str(KERNEL_SOURCE)]])
 
 
 def active_blas() -> str:

@@ -15,6 +15,7 @@ import mlx.core as mx
 from . import __version__, bench, cache_prompt, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
 from .distributed import is_backend_error, refuse_distributed, world_group
+from .few_rows_quantized import status as few_rows_quantized_status
 from .kernels.cuda import cuda_available
 from .paths import cache_dir
 
@@ -62,6 +63,10 @@ def system_rows() -> list[tuple[str, str]]:
             str(default_dtype() or "the checkpoint's dtype").removeprefix("mlx.core."),
         ),
         ("BLAS", active_blas()),
+        (
+            "quantized products",
+            few_rows_quantized_status() if mx.default_device() == mx.cpu else "MLX's",
+        ),
         ("block-attention kernels", active_backend()),
         ("verify forward", backends.PATHS[backends.current()]),
         ("dflash-mlx cache", str(cache_dir())),

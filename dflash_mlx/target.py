@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import backends, hooks
+from . import backends, few_rows_quantized, hooks
 from .kernels import cuda as cuda_kernels
 from .loading import cast_model, load_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
@@ -216,17 +216,8 @@ class RestrictedHead:
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
         w = self.weights
-        if self.quantized:
-            out = mx.quantized_matmul(
-                x,
-                w["weight"],
-                scales=w["scales"],
-                biases=w.get("biases"),
-                transpose=True,
-                group_size=self.head.group_size,
-                bits=self.head.bits,
-                mode=self.head.mode,
-            )
+        if self.quantized:  # MLX's product, or on the CPU over 2+ rows the few-row one
+            out = few_rows_quantized.quantized_matmul(x, self.head, w)
         elif self.few_rows:
             out = cuda_kernels.times_transposed(x, w["weight"])
         else:
@@ -306,8 +297,11 @@ class TargetAdapter:
         """The head the drafter proposes through (`draft.DraftHead`): the LM head, restricted
         to `token_ids` if given. Build it once per generation: the restriction slices the
         weights."""
-        if token_ids is None:  # on CUDA the drafter's block (2-16 rows) takes a few-rows kernel
-            few_rows = backends.current() == "cuda" and cuda_kernels.few_rows_head(self.head)
+        if token_ids is None:  # the drafter's block (2-16 rows) takes a few-rows product
+            backend = backends.current()
+            few_rows = (backend == "cuda" and cuda_kernels.few_rows_head(self.head)) or (
+                backend == "cpu" and few_rows_quantized.head(self.head)
+            )
             return FullHead(few_rows or self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)

@@ -3,6 +3,7 @@ the loop's greedy output is mlx-lm's greedy output on the same quantized model, 
 trees, the prompt cache and logits processors."""
 
 import json
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,8 +15,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from test_families import PROMPT, build, first_difference, prompt_of, run
 
 import dflash_mlx
-from dflash_mlx import make_prompt_cache
+from dflash_mlx import TargetAdapter, make_prompt_cache
 from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.few_rows_quantized import FewRowsQuantizedLinear
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "gpt_oss", "gemma4_text"]
 RECURRENT = {"qwen3_5"}  # no trees: recurrent layers keep no per-node state
@@ -55,6 +57,9 @@ def settings_for(name: str) -> list[dict]:
 def test_quantized_greedy_equals_mlx_lm_on_the_same_model(quantized, tokenizer, name, bits):
     model, draft, expected = quantized(name, bits)
     assert any(isinstance(m, nn.QuantizedLinear) for m in model.modules())
+    if sys.platform.startswith("linux"):  # verify forwards and blocks take the few-row product
+        swaps = TargetAdapter(model).verify_swaps(16) + draft.block_swaps("cpu")
+        assert {FewRowsQuantizedLinear} <= {new for _, _, new in swaps}
     for setting in settings_for(name):
         tokens, _ = run(model, draft, tokenizer, PROMPT, max_tokens=MAX_TOKENS, **setting)
         assert tokens == expected, f"{setting}: differs at {first_difference(tokens, expected)}"
