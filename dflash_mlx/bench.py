@@ -47,7 +47,7 @@ from .generate import stream_generate
 from .prompt_cache import PromptCache, make_prompt_cache
 from .response import GenerationResponse
 from .sampling import RULES
-from .session import add_rank_timeout_argument
+from .session import add_rank_timeout_argument, add_trust_remote_code_argument
 from .settings import GenerationSettings
 from .swaps import swapped
 from .target import load
@@ -536,6 +536,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-window", type=int, help="drafter attends to the last N context positions only"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_trust_remote_code_argument(parser)
     add_rank_timeout_argument(parser)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
     parser.add_argument("--plot", default=None, help="PNG plot file (default: --out as .png)")
@@ -552,7 +553,9 @@ def run(args: argparse.Namespace) -> None:
         from .gguf import smollm2_model_dir
 
         args.model = str(smollm2_model_dir())
-    model, tokenizer = load(args.model, tensor_group=group)
+    model, tokenizer = load(
+        args.model, tensor_group=group, trust_remote_code=args.trust_remote_code
+    )
     if args.draft:
         draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
         draft_label = args.draft

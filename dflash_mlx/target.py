@@ -58,6 +58,7 @@ def load(
     dtype: mx.Dtype | str | None = None,
     tensor_group: mx.distributed.Group | None = None,
     pipeline_group: mx.distributed.Group | None = None,
+    trust_remote_code: bool = False,
     **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer (local dir or hub id).
@@ -71,6 +72,8 @@ def load(
     weights and runs every forward together with the others. `pipeline_group`
     instead splits the layers over the group with the model's own `pipeline()`
     (rank 0 keeps the last ones); only the world group is supported, as in mlx-lm.
+    `trust_remote_code` lets the checkpoint's own tokenizer (and model) code run, as
+    mlx-lm's `--trust-remote-code` does (Kimi's tokenizer needs it).
     """
     if tensor_group is not None and pipeline_group is not None:
         raise ValueError("shard the target over a tensor group or a pipeline group, not both")
@@ -79,9 +82,28 @@ def load(
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}
     sharded = group is not None and group.size() > 1
+    # always said, so that transformers refuses remote code rather than asking on stdin
+    tokenizer_config = {
+        **kwargs.pop("tokenizer_config", {}),
+        "trust_remote_code": trust_remote_code,
+    }
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=model_config, lazy=sharded, **kwargs)
-    except (FileNotFoundError, ValueError):
+        model, tokenizer = mlx_lm_load(
+            str(path),
+            tokenizer_config=tokenizer_config,
+            model_config=model_config,
+            lazy=sharded,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code=True" not in str(exc):
+            raise
+        raise ValueError(
+            f"the target at {path} comes with its own tokenizer or model code: pass "
+            "--trust-remote-code (trust_remote_code=True) if you trust it"
+        ) from exc
+    except FileNotFoundError:
         raise
     except Exception as exc:  # the cause stays chained for callers and tracebacks
         raise ValueError(
