@@ -439,6 +439,8 @@ class TargetAdapter:
         (nemotron_h: none for its MLP and MoE layers), to the layers that have a mixer.
         """
         caches = make_prompt_cache(self.model)
+        if not any(isinstance(c, ArraysCache) for c in caches):
+            return []  # (gemma4's last layers share caches: fewer caches than layers)
         layers = [layer for layer in self.layers if layer is not None]  # this rank's
         if len(caches) != len(layers):
             layers = [layer for layer in layers if _mixer(layer) is not None]
