@@ -48,7 +48,7 @@ from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import PromptCache, make_prompt_cache
 from .response import GenerationResponse
 from .sampling import RULES
-from .session import add_rank_timeout_argument
+from .session import add_rank_timeout_argument, add_trust_remote_code_argument
 from .settings import GenerationSettings
 from .swaps import swapped
 from .target import load
@@ -542,6 +542,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-window", type=int, help="drafter attends to the last N context positions only"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_trust_remote_code_argument(parser)
     add_rank_timeout_argument(parser)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
     parser.add_argument("--plot", default=None, help="PNG plot file (default: --out as .png)")
@@ -558,7 +559,12 @@ def run(args: argparse.Namespace) -> None:
         from .gguf import smollm2_model_dir
 
         args.model = str(smollm2_model_dir())
-    model, tokenizer = load(args.model, dtype=args.dtype, tensor_group=group)
+    model, tokenizer = load(
+        args.model,
+        dtype=args.dtype,
+        tensor_group=group,
+        trust_remote_code=args.trust_remote_code,
+    )
     if args.draft:
         draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
         draft_label = args.draft

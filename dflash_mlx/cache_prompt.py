@@ -27,7 +27,7 @@ from .generate import stream_generate
 from .loading import DTYPES, KEEP_CHECKPOINT
 from .loop import PREFILL_STEP
 from .prompt_cache import PromptCache, make_prompt_cache
-from .session import add_prompt_arguments
+from .session import add_prompt_arguments, add_trust_remote_code_argument
 from .settings import GenerationSettings
 from .target import load
 
@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="DFlash drafter: directory or hub id")
     parser.add_argument("--no-draft", action="store_true", help="cache the target's only")
     parser.add_argument("--dtype", choices=[*DTYPES, KEEP_CHECKPOINT], help="as for generate")
+    add_trust_remote_code_argument(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
     add_prompt_arguments(parser)
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.prompt_cache_file)
     if not out.parent.is_dir():
         raise ValueError(f"--prompt-cache-file: no directory {out.parent}")
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     draft = None if args.no_draft else load_draft(args.draft)
     chat = args.chat_template and has_chat_template(tokenizer)
     if args.system and not chat:

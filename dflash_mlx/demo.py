@@ -25,6 +25,7 @@ from .chat_format import render
 from .checkpoint import load_draft
 from .generate import stream_generate
 from .response import GenerationResponse
+from .session import add_trust_remote_code_argument
 from .target import TargetAdapter, load
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", "-m", type=int, default=128)
     parser.add_argument("--model", help="target dir (default: SmolLM2-135M-Instruct, cached)")
+    add_trust_remote_code_argument(parser)
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER), help="drafter dir")
     parser.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm comparison")
     parser.add_argument(
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
         if not (cache_dir() / "models").exists():
             print("Fetching SmolLM2-135M-Instruct (first run only)...", flush=True)
         args.model = smollm2_model_dir()
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, trust_remote_code=args.trust_remote_code)
     draft = load_draft(args.draft)
     ids = render(tokenizer, args.prompt, chat=True)
     setting = verify_setting(model, draft, args.tree_budget)

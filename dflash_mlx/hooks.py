@@ -1,15 +1,16 @@
 """Per-instance hooks on the target while a reply is generated (`swaps.py`): capturing
 the hidden states of chosen layers, and tree forwards.
 
-Capture (`capture`): each tapped or recurrent layer object gets a subclass of its
-own class whose `__call__` records the output (lazily: the layer outputs are kept
-as unevaluated arrays of the same graph, so capturing costs no extra evaluation)
-and checkpoints the recurrent cache, and gets its class back when the capture
-ends. No mlx-lm class is modified, so other models see mlx-lm unchanged. A model
-is captured by one generation at a time (a second is refused); forwards through
-caches other than the capture's (mlx-lm's own decoding of the same model) are not
-recorded. When the layers are split over pipeline ranks, `PipelineSink` gathers
-the tapped layers to every rank.
+Capture (`capture`): each tapped layer object gets a subclass of its own class
+whose `__call__` records the output (lazily: the layer outputs are kept as
+unevaluated arrays of the same graph, so capturing costs no extra evaluation), and
+each recurrent mixer (the module a recurrent cache is passed to: a GatedDeltaNet,
+short convolution or Mamba mixer) one whose `__call__` checkpoints that cache; both
+get their classes back when the capture ends. No mlx-lm class is modified, so other
+models see mlx-lm unchanged. A model is captured by one generation at a time (a
+second is refused); forwards through caches other than the capture's (mlx-lm's own
+decoding of the same model) are not recorded. When the layers are split over
+pipeline ranks, `PipelineSink` gathers the tapped layers to every rank.
 
 Tree forwards (`tree_attention`) swap the classes of the caches and RoPE modules
 the same way, for that one forward.
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, wraps
 from threading import Lock
 from typing import Any
 
@@ -37,13 +38,15 @@ HOOKING = Lock()  # makes "is a layer hooked? then hook it" one step across thre
 
 
 def _hooked_class(cls: type) -> type:
-    """A subclass of `cls` that checkpoints recurrent caches and records its output."""
+    """A subclass of `cls` that checkpoints the recurrent cache it is passed (a recurrent
+    mixer) or records its output (a tapped layer); `__call__` keeps `cls`'s signature."""
     if cls not in _HOOKED_CLASSES:
 
+        @wraps(cls.__call__)
         def __call__(self, *args, **kwargs):
             passed = (*args, *kwargs.values())
             for c in passed:
-                if isinstance(c, RecurrentCache):
+                if self._dflash_replays and isinstance(c, RecurrentCache):
                     c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
             out = cls.__call__(self, *args, **kwargs)
             foreign = self._dflash_caches is not None and any(
@@ -57,9 +60,9 @@ def _hooked_class(cls: type) -> type:
     return _HOOKED_CLASSES[cls]
 
 
-def _replay(cls: type, layer: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> None:
-    """Re-run `layer` (unhooked) on the first positions of the input it last saw."""
-    cls.__call__(layer, args[0][:, :num_positions], *args[1:], **kwargs)
+def _replay(cls: type, mixer: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> None:
+    """Re-run `mixer` (unhooked) on the first positions of the input it last saw."""
+    cls.__call__(mixer, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
 class PipelineSink(dict):
@@ -198,13 +201,13 @@ def tree_attention(
 def capture(
     layers: list[nn.Module | None],
     layer_ids: list[int],
-    recurrent: set[int],
+    recurrent: list[nn.Module],
     cache: list[Any] | None = None,
     pipelined: nn.Module | None = None,
 ) -> Iterator[dict[Any, mx.array]]:
     """Record the outputs of `layers[i]` for i in `layer_ids` on every forward while the
-    context is open, and checkpoint the caches of the `recurrent` layers so that a
-    rollback can re-run the committed prefix. With `cache`, a forward through other
+    context is open, and checkpoint the caches passed to the `recurrent` mixers so that a
+    rollback can re-run them on the committed prefix. With `cache`, a forward through other
     caches is not recorded. `pipelined`: the backbone, when the layers are split over
     pipeline ranks (None in `layers`: another rank's). A second capture of the same
     layers while one is open raises RuntimeError.
@@ -213,26 +216,27 @@ def capture(
     tapped = set(layer_ids)
     caches = None if cache is None else {id(c) for c in cache}
     with HOOKING:
-        if any(type(layer) in _HOOKED_CLASSES.values() for layer in layers):
+        if any(type(m) in _HOOKED_CLASSES.values() for m in [*layers, *recurrent]):
             raise RuntimeError(
                 "this model is already being generated with (in another thread or another "
                 "open generator); run one generation per model at a time"
             )
-        hooks = [(i, layers[i]) for i in sorted(tapped | recurrent)]
+        hooks = [(i, layers[i]) for i in sorted(tapped)]
         if pipelined is not None:  # its output: after the forward's collectives on every rank
             hooks.append((PipelineSink.OUTPUT, pipelined))
-        hooks = [(i, layer) for i, layer in hooks if layer is not None]  # None: another rank's
-        for i, layer in hooks:
-            record = i in tapped or i == PipelineSink.OUTPUT
-            object.__setattr__(layer, "_dflash_sink", sink if record else None)
-            object.__setattr__(layer, "_dflash_index", i)
-            object.__setattr__(layer, "_dflash_caches", caches)
-        hooked = swap_in([(layer, type(layer), _hooked_class(type(layer))) for _, layer in hooks])
+        hooks = [(i, m) for i, m in hooks if m is not None]  # None: another rank's layer
+        hooks += [(None, mixer) for mixer in recurrent]
+        for i, module in hooks:
+            object.__setattr__(module, "_dflash_sink", None if i is None else sink)
+            object.__setattr__(module, "_dflash_index", i)
+            object.__setattr__(module, "_dflash_caches", caches)
+            object.__setattr__(module, "_dflash_replays", i is None)
+        hooked = swap_in([(m, type(m), _hooked_class(type(m))) for _, m in hooks])
     try:
         yield sink
     finally:
         with HOOKING:
             swap_out(hooked)
-            for _, layer in hooks:
-                for name in ("_dflash_sink", "_dflash_index", "_dflash_caches"):
-                    object.__delattr__(layer, name)
+            for _, module in hooks:
+                for name in ("_dflash_sink", "_dflash_index", "_dflash_caches", "_dflash_replays"):
+                    object.__delattr__(module, name)

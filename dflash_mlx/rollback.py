@@ -6,8 +6,8 @@ cannot be, and are replaced by the classes here when the target's cache is made:
 - `WindowKVCache` for sliding-window layers (mlx-lm's `RotatingKVCache`
   overwrites the oldest entries in place, so once it has wrapped, a trim
   would leave a hole where a rejected draft evicted a still-needed entry).
-- `RecurrentCache` for recurrent layers (GatedDeltaNet conv + SSM state in
-  an `ArraysCache`): the state after the last committed token exists only
+- `RecurrentCache` for recurrent layers (GatedDeltaNet, short-convolution or
+  Mamba state in an `ArraysCache`): the state after the last committed token exists only
   inside the verify forward.
 
 Both follow mlx-lm's cache protocol, so the model code runs unchanged.
@@ -107,16 +107,18 @@ Replay = Callable[[int], Any]
 class RecurrentCache(ArraysCache):
     """A recurrent layer's state that can be rolled back into the last forward.
 
-    Design: snapshot and replay. Before each forward the layer's hook calls
-    `checkpoint`, which keeps references (no copies: MLX arrays are immutable
-    and the layer replaces them) to the state before the forward and a
-    closure that re-runs the layer on a prefix of the same input. `trim(n)`
+    Design: snapshot and replay. Before each forward the hook on the layer's
+    mixer (the module the cache is passed to: GatedDeltaNet, short convolution,
+    Mamba) calls `checkpoint`, which keeps references (no copies: MLX arrays are
+    immutable and the mixer replaces them) to the state before the forward and
+    a closure that re-runs the mixer on a prefix of the same input. `trim(n)`
     restores the snapshot and re-runs the first S - n positions. Only the
     cache's arrays are ever evaluated from the re-run, so lazy evaluation
-    runs just the path that feeds the state (norm, in_proj_qkv/a/b, conv,
+    runs just the path that feeds the state (in_proj_qkv/a/b, conv,
     recurrence): the attention output, out_proj and the MLP/MoE are never
-    computed. The re-run is queued lazily and evaluated together with the
-    next verify, so it adds no synchronisation.
+    computed, nor anything outside the mixer (Kimi's attention residuals). The
+    re-run is queued lazily and evaluated together with the next verify, so it
+    adds no synchronisation.
 
     Why not the alternatives: recording per-position states needs the
     recurrence's intermediate states, which mlx-lm's `gated_delta_update`

@@ -97,6 +97,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         penalties.add_argument(
             f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
         )
+    add_trust_remote_code_argument(parser)
     add_rank_timeout_argument(parser)
     parser.add_argument(
         "--pipeline",
@@ -137,6 +138,16 @@ def load_cache_file(
     return load_prompt_cache(args.prompt_cache_file, model, draft)
 
 
+def add_trust_remote_code_argument(parser: argparse.ArgumentParser) -> None:
+    """`--trust-remote-code`, for every subcommand that loads the target's tokenizer."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the target's own tokenizer and model code run (as mlx-lm's flag); "
+        "some tokenizers need it, e.g. Kimi's",
+    )
+
+
 def add_rank_timeout_argument(parser: argparse.ArgumentParser) -> None:
     """`--rank-timeout`, for the subcommands that run under `mlx.launch`."""
     parser.add_argument(
@@ -164,10 +175,10 @@ def load_models(
     group = world_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
-    if args.pipeline:
-        model, tokenizer = load(args.model, args.dtype, pipeline_group=group)
-    else:
-        model, tokenizer = load(args.model, args.dtype, tensor_group=group)
+    groups = {"pipeline_group" if args.pipeline else "tensor_group": group}
+    model, tokenizer = load(
+        args.model, args.dtype, trust_remote_code=args.trust_remote_code, **groups
+    )
     draft = (
         None
         if args.no_draft

@@ -10,6 +10,7 @@ share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property, partial
@@ -58,6 +59,7 @@ def load(
     dtype: mx.Dtype | str | None = None,
     tensor_group: mx.distributed.Group | None = None,
     pipeline_group: mx.distributed.Group | None = None,
+    trust_remote_code: bool = False,
     **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer (local dir or hub id).
@@ -71,6 +73,8 @@ def load(
     weights and runs every forward together with the others. `pipeline_group`
     instead splits the layers over the group with the model's own `pipeline()`
     (rank 0 keeps the last ones); only the world group is supported, as in mlx-lm.
+    `trust_remote_code` lets the checkpoint's own tokenizer (and model) code run, as
+    mlx-lm's `--trust-remote-code` does (Kimi's tokenizer needs it).
     """
     if tensor_group is not None and pipeline_group is not None:
         raise ValueError("shard the target over a tensor group or a pipeline group, not both")
@@ -79,9 +83,28 @@ def load(
     path = resolve_path(path_or_repo, "target model", TARGET_PATTERNS)
     model_config = {**rope_overrides(read_config(path)), **kwargs.pop("model_config", {})}
     sharded = group is not None and group.size() > 1
+    # always said, so that transformers refuses remote code rather than asking on stdin
+    tokenizer_config = {
+        **kwargs.pop("tokenizer_config", {}),
+        "trust_remote_code": trust_remote_code,
+    }
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=model_config, lazy=sharded, **kwargs)
-    except (FileNotFoundError, ValueError):
+        model, tokenizer = mlx_lm_load(
+            str(path),
+            tokenizer_config=tokenizer_config,
+            model_config=model_config,
+            lazy=sharded,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code=True" not in str(exc):
+            raise
+        raise ValueError(
+            f"the target at {path} comes with its own tokenizer or model code: pass "
+            "--trust-remote-code (trust_remote_code=True) if you trust it"
+        ) from exc
+    except FileNotFoundError:
         raise
     except Exception as exc:  # the cause stays chained for callers and tracebacks
         raise ValueError(
@@ -133,8 +156,12 @@ SUPPORTED_MODEL_TYPES = (
     "gemma4_text",
     "gpt_oss",
     "kimi_k25",
+    "kimi_k3",
+    "lfm2",
+    "lfm2_moe",
     "llama",
     "minimax",
+    "nemotron_h",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
@@ -144,6 +171,9 @@ SUPPORTED_MODEL_TYPES = (
 # Backbones that multiply the embeddings by `embed_scale`; transformers folds it into
 # `embed_tokens`, which is what the published drafters were trained on.
 SCALED_EMBEDDINGS = ("gemma4", "gemma4_text")
+# What backbones call their token embedding (nemotron_h: `embeddings`) and their last norm.
+EMBEDDINGS = ("embed_tokens", "embeddings")
+FINAL_NORMS = ("norm", "norm_f", "embedding_norm")
 SUPPORTED = (
     f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}; "
     "other models whose layers all use a plain KVCache are expected to work."
@@ -151,7 +181,8 @@ SUPPORTED = (
 
 
 def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(owner, backbone): the module with `embed_tokens` and `layers` and the one holding it.
+    """(owner, backbone): the module with a token embedding (`EMBEDDINGS`) and `layers` and
+    the one holding it.
 
     The owner holds the LM head and the text config, also inside multimodal
     wrappers (`model.language_model.model`).
@@ -160,14 +191,16 @@ def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         ("language_model", "model"),
         ("", "model"),
         ("model", "language_model"),
+        ("", "backbone"),
         ("", ""),
     ):
         owner: Any = model
         for part in filter(None, owner_path.split(".")):
             owner = getattr(owner, part, None) if isinstance(owner, nn.Module) else None
         backbone = getattr(owner, name, None) if name and isinstance(owner, nn.Module) else owner
-        if isinstance(backbone, nn.Module) and "embed_tokens" in backbone and "layers" in backbone:
-            return owner, backbone
+        if isinstance(backbone, nn.Module) and "layers" in backbone:
+            if any(embedding in backbone for embedding in EMBEDDINGS):
+                return owner, backbone
     raise ValueError(
         f"cannot find the embedding and layer list of model type "
         f"'{getattr(model, 'model_type', type(model).__name__)}'. {SUPPORTED}"
@@ -252,7 +285,7 @@ class TargetAdapter:
             total = owner.args.num_hidden_layers
             self.layers = [*backbone.layers, *[None] * (total - len(backbone.layers))]
             self.layer_offset, self.pipelined = backbone.start_idx, True
-        self.embedding = backbone.embed_tokens
+        self.embedding = next(backbone[name] for name in EMBEDDINGS if name in backbone)
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
         self.head = owner.lm_head if "lm_head" in owner else self.embedding
         self.lm_head = self.head if "lm_head" in owner else self.embedding.as_linear
@@ -282,9 +315,8 @@ class TargetAdapter:
         backend = backends.current()
         key = (backend, positions > 1)
         if key not in self._verify_swaps:
-            norm = getattr(self.backbone, "norm", None)
-            norm = norm if isinstance(norm, nn.Module) else None
-            modules = [*self.layers, norm, self.head]
+            norms = [self.backbone.get(name) for name in FINAL_NORMS]
+            modules = [*self.layers, *[n for n in norms if isinstance(n, nn.Module)], self.head]
             self._verify_swaps[key] = backends.verify_swaps(modules, backend, positions)
         return self._verify_swaps[key]
 
@@ -384,13 +416,40 @@ class TargetAdapter:
         self, layer_ids: list[int], cache: list[Any] | None = None
     ) -> Iterator[dict[int, mx.array]]:
         """Record the outputs of `layer_ids` on every forward while the context is open
-        (`hooks.capture`); with `cache`, only forwards through those caches. Layers with a
-        recurrent cache are hooked too, to checkpoint it for `rollback`."""
-        recurrent = {
-            self.layer_offset + i
-            for i, c in enumerate(make_prompt_cache(self.model))
-            if isinstance(c, ArraysCache)
-        }
+        (`hooks.capture`); with `cache`, only forwards through those caches. The mixers
+        given a recurrent cache are hooked too, to checkpoint it for `rollback`."""
         backbone = self.backbone if self.pipelined else None
-        with hooks.capture(self.layers, layer_ids, recurrent, cache, backbone) as sink:
+        with hooks.capture(self.layers, layer_ids, self.recurrent_mixers, cache, backbone) as sink:
             yield sink
+
+    @cached_property
+    def recurrent_mixers(self) -> list[nn.Module]:
+        """The modules each recurrent cache is passed to (a layer's GatedDeltaNet, short
+        convolution or Mamba mixer), in cache order.
+
+        Caches belong to layers in order; where there are fewer caches than layers
+        (nemotron_h: none for its MLP and MoE layers), to the layers that have a mixer.
+        """
+        caches = make_prompt_cache(self.model)
+        if not any(isinstance(c, ArraysCache) for c in caches):
+            return []  # (gemma4's last layers share caches: fewer caches than layers)
+        layers = [layer for layer in self.layers if layer is not None]  # this rank's
+        if len(caches) != len(layers):
+            layers = [layer for layer in layers if _mixer(layer) is not None]
+        mixers = [_mixer(layer) for layer, c in zip(layers, caches) if isinstance(c, ArraysCache)]
+        if len(caches) != len(layers) or None in mixers:
+            raise ValueError(
+                f"target model type '{self.model_type}' is not supported: cannot tell which "
+                f"module of its layers each of its {len(caches)} caches is passed to. {SUPPORTED}"
+            )
+        return mixers
+
+
+def _mixer(layer: nn.Module) -> nn.Module | None:
+    """The child of `layer` that takes its cache (attention, convolution, SSM), if one does."""
+    takers = [
+        m
+        for m in layer.values()
+        if isinstance(m, nn.Module) and "cache" in inspect.signature(type(m).__call__).parameters
+    ]
+    return takers[0] if len(takers) == 1 else None

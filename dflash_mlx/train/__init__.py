@@ -41,11 +41,14 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..session import add_trust_remote_code_argument
+
     sub = parser.add_subparsers(dest="stage", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help="target dir or hub id (default: SmolLM2)")
     common.add_argument("--name", default="smollm2-135m-instruct", help="work dir name")
     common.add_argument("--work", default=None, help="work dir (default: cache/train/NAME)")
+    add_trust_remote_code_argument(common)
 
     p = sub.add_parser("data", parents=[common], help="generate self-distillation replies")
     p.add_argument("--num-prompts", type=int, default=3000)
@@ -133,7 +136,7 @@ def load_target(args: argparse.Namespace):
     from .. import load
     from ..gguf import smollm2_model_dir
 
-    return load(args.model or smollm2_model_dir())
+    return load(args.model or smollm2_model_dir(), trust_remote_code=args.trust_remote_code)
 
 
 def dflash2_shape(args: argparse.Namespace) -> DFlash2Shape | None:
@@ -309,7 +312,11 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
         from .export import top_tokens
 
         target = resolve_path(args.model or smollm2_model_dir(), "target model", TARGET_PATTERNS)
-        tokenizer = load_tokenizer(target, eos_token_ids=read_config(target).get("eos_token_id"))
+        tokenizer = load_tokenizer(
+            target,
+            {"trust_remote_code": args.trust_remote_code},
+            eos_token_ids=read_config(target).get("eos_token_id"),
+        )
         always = [*tokenizer.eos_token_ids, draft.config.mask_token_id]
         records = read_records(work / "replies.jsonl")
         draft.config.draft_vocab = top_tokens(records, args.draft_vocab, always)
