@@ -293,6 +293,18 @@ def copy_dir(source: Path, dest: Path) -> Path:
     return dest
 
 
+TRAIN_TAPS = [1, 3, 4]  # the target layers the training tests' features are of
+
+
+def train_work(data: Path, dest: Path, target: Path) -> tuple[Path, list[str]]:
+    """A copy at `dest` of a training work dir's replies and features (conftest's
+    `train_data`), without a checkpoint, and the `train` flags naming `target` and it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "replies.jsonl").write_bytes((data / "replies.jsonl").read_bytes())
+    copy_dir(data / "features", dest / "features")
+    return dest, ["--model", str(target), "--work", str(dest)]
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
