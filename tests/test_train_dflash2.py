@@ -16,8 +16,6 @@ from dflash_mlx.draft import DFlashConfig, DFlashDraft
 from dflash_mlx.sampling import make_verifier
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.blocks import block_hidden, selector_loss
-from dflash_mlx.train.data import read_records
-from dflash_mlx.train.features import load_features
 from dflash_mlx.train.trainer import (
     DFlash2Shape,
     Sequence,
@@ -65,13 +63,7 @@ def fresh_work(train_data, train_target_dir, tmp_path):
 
 def fixed_batch_losses(model, draft, work) -> dict[str, float]:
     """Token and selector loss of a drafter on the same blocks of the same four sequences."""
-    records = read_records(work / "replies.jsonl")
-    data = [
-        Sequence(np.array(r["ids"]), r["start"], **f)
-        for r, f in zip(records, load_features(work / "features", len(records)))
-    ]
-    vocab = np.unique(np.concatenate([s.ids for s in data]))
-    pairs = [(s, np.arange(s.start, len(s.ids) - 1)) for s in data[:4]]
+    pairs, vocab = helpers.fixed_blocks(work)
     losses, _, _ = Trainer(model, draft, TrainConfig(), vocab).block_hits(pairs)
     return losses
 

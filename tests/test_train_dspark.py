@@ -18,9 +18,8 @@ from dflash_mlx.dspark import DSparkDraft
 from dflash_mlx.sampling import make_verifier
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.blocks import block_hidden
-from dflash_mlx.train.data import read_records
 from dflash_mlx.train.dspark import DSparkShape, DSparkTrainer
-from dflash_mlx.train.features import load_features, sequence_features
+from dflash_mlx.train.features import sequence_features
 from dflash_mlx.train.trainer import (
     Sequence,
     TrainConfig,
@@ -156,13 +155,8 @@ def test_the_loss_is_deepspecs_on_a_fixed_batch(tiny, kind, confidence):
 
 
 def fixed_batch_losses(model, draft, work) -> dict[str, float]:
-    records = read_records(work / "replies.jsonl")
-    data = [
-        Sequence(np.array(r["ids"]), r["start"], **f)
-        for r, f in zip(records, load_features(work / "features", len(records)))
-    ]
-    vocab = np.unique(np.concatenate([s.ids for s in data]))
-    pairs = [(s, np.arange(s.start, len(s.ids) - 1)) for s in data[:4]]
+    """The loss and its terms on the same blocks of the same four sequences."""
+    pairs, vocab = helpers.fixed_blocks(work)
     losses, _, _ = DSparkTrainer(model, draft, TrainConfig(gamma=4.0), vocab).block_hits(pairs)
     return losses
 
@@ -172,30 +166,9 @@ def test_fit_arch_dspark_learns_resumes_and_exports_a_lossless_drafter(
 ):
     model, tokenizer = tiny
     work, common = helpers.train_work(train_data, tmp_path / "work", train_target_dir)
-    fit = [
-        "fit",
-        *common,
-        "--arch",
-        "dspark",
-        "--markov-rank",
-        "8",
-        "--layers",
-        "1",
-        "--block-size",
-        "5",
-        "--seqs-per-step",
-        "4",
-        "--blocks-per-seq",
-        "8",
-        "--lr",
-        "1e-2",
-        "--warmup",
-        "1",
-        "--save-every",
-        "1",
-        "--eval-every",
-        "0",
-    ]
+    settings = "--markov-rank 8 --layers 1 --block-size 5 --seqs-per-step 4 --blocks-per-seq 8"
+    schedule = "--lr 1e-2 --warmup 1 --save-every 1 --eval-every 0"
+    fit = ["fit", *common, "--arch", "dspark", *settings.split(), *schedule.split()]
     train_cli(*fit, "--steps", "1")
     first, _ = checkpoint_draft(work / "ckpt")
     train_cli(*fit, "--steps", "30")  # resumes from step 1

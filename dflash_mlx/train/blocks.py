@@ -74,17 +74,10 @@ def block_hidden(
     return draft(draft.embed_blocks(embed, mx.array(block)), contexts)
 
 
-def drafting_hidden(
-    draft: DFlashDraft,
-    embed: Callable[[mx.array], mx.array],
-    features: mx.array,
-    ids: np.ndarray,
-    anchors: np.ndarray,
-) -> mx.array:
-    """The hidden states (N, B-1, hidden) of the slots that draft the B-1 labels: DFlash's
-    mask slots, or every slot of a DSpark block (each predicts the token after it)."""
-    hidden = block_hidden(draft, embed, features, ids, anchors)
-    return hidden[:, hidden.shape[1] - (draft.config.block_size - 1) :]
+def drafting_slots(hidden: mx.array, block_size: int) -> mx.array:
+    """Of `block_hidden`'s output, the slots (N, B-1, hidden) that draft the B-1 labels:
+    DFlash's mask slots, or every slot of a DSpark block (each predicts the token after it)."""
+    return hidden[:, hidden.shape[1] - (block_size - 1) :]
 
 
 def block_loss(

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..draft import DFlashConfig, DFlashDraft
 from ..dspark import MARKOV_HEAD_TYPES, DSparkConfig, MarkovHead
-from .blocks import block_loss, drafting_hidden, predicting_positions
+from .blocks import block_hidden, block_loss, drafting_slots, predicting_positions
 from .trainer import Sequence, Trainer
 
 CONFIDENCE_INPUTS = ("markov", "hidden", "off")
@@ -168,7 +168,8 @@ class DSparkTrainer(Trainer):
         sums: dict[str, mx.array] = {}
         hits = []
         for features, ids, anchors, labels, weights, _, prev, target_hidden in batch:
-            hidden = drafting_hidden(draft, self.target.embed_tokens, features, ids, anchors)
+            hidden = block_hidden(draft, self.target.embed_tokens, features, ids, anchors)
+            hidden = drafting_slots(hidden, draft.config.block_size)
             logits = self.head(hidden)
             if markov is not None:
                 logits = logits + markov_latents(markov, prev, hidden) @ w2.T

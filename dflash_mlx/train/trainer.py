@@ -27,10 +27,11 @@ from ..draft import DFlashConfig, DFlashDraft
 from ..generate import stream_generate
 from ..target import TargetAdapter
 from .blocks import (
+    block_hidden,
     block_labels,
     block_loss,
     block_predecessors,
-    drafting_hidden,
+    drafting_slots,
     position_weights,
     sample_anchors,
     selector_loss,
@@ -309,7 +310,8 @@ class Trainer:
         selector = self.draft.get("candidate_selector")
         token, choice, hits = mx.array(0.0), mx.array(0.0), []
         for features, ids, anchors, labels, weights, soft, predecessors in batch:
-            hidden = drafting_hidden(self.draft, self.target.embed_tokens, features, ids, anchors)
+            hidden = block_hidden(self.draft, self.target.embed_tokens, features, ids, anchors)
+            hidden = drafting_slots(hidden, self.draft.config.block_size)
             logits = self.head(hidden)
             loss, h = block_loss(logits, labels, weights, soft, self.cfg.soft_weight)
             token = token + loss
