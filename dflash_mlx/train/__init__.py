@@ -5,8 +5,8 @@ target's greedy replies to offline prompts as token ids (replies.jsonl);
 `features` caches the target's hidden states of the tapped layers (fp16) for
 every stored sequence; `fit` trains a drafter (DFlash 1, DFlash 2 or DSpark: `--arch`)
 on random anchored blocks with a block-sparse mask and checkpoints (ckpt/); `export`
-writes our layout with a model card and the published layout. Everything large lives in the work dir
-(default ~/.cache/dflash-mlx/train/<name>), never in the repository.
+writes our layout with a model card and the published layout. Everything large lives
+in the work dir (default ~/.cache/dflash-mlx/train/<name>), never in the repository.
 """
 
 from __future__ import annotations
