@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
-from .dspark import DSparkDraft, dspark_config, is_dspark, own_weights
+from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .target import TargetAdapter
 
@@ -56,6 +56,19 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+def draft_config(raw: dict) -> DFlashConfig:
+    """The config a drafter config.json describes: a `DSparkConfig` for DSpark's packagings."""
+    return dspark_config(raw) if is_dspark(raw) else DFlashConfig.from_dict(raw)
+
+
+def new_draft(
+    config: DFlashConfig, kernels: str = "auto", context_window: int | None = None
+) -> DFlashDraft:
+    """A freshly initialised drafter of `config`'s kind (DSpark or DFlash)."""
+    kind = DSparkDraft if isinstance(config, DSparkConfig) else DFlashDraft
+    return kind(config, kernels, context_window)
+
+
 def load_draft(
     path_or_repo: str | Path,
     dtype: mx.Dtype | None = None,
@@ -74,14 +87,12 @@ def load_draft(
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     raw = read_config(path)
     weights = read_weights(path)
-    if is_dspark(raw):
-        config = dspark_config(raw)
+    config = draft_config(raw)
+    if isinstance(config, DSparkConfig):
         weights = own_weights(config, weights)
-    else:
-        config = DFlashConfig.from_dict(raw)
     if full_vocab:
         config.draft_vocab = None
-    model = (DSparkDraft if is_dspark(raw) else DFlashDraft)(config, kernels, context_window)
+    model = new_draft(config, kernels, context_window)
     if config.quantization:
         q = config.quantization
         nn.quantize(

@@ -112,6 +112,12 @@ class DFlashConfig:
     def is_dflash2(self) -> bool:
         return bool(self.conv_kernel_size or self.selector_top_k)
 
+    @property
+    def slots(self) -> int:
+        """The drafter's input width: DFlash's block is [anchor, masks] as wide as the verify,
+        its first slot drafting nothing (a DSpark block drafts from every slot)."""
+        return self.block_size
+
     def layer_is_causal(self, index: int) -> bool:
         """The reference's rule: config `is_causal` if given, else causal iff sliding."""
         if self.is_causal is not None:

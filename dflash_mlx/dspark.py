@@ -237,24 +237,32 @@ class MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def step(
+    def latent(
         self, prev: mx.array, hidden: mx.array, state: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
-        """(bias over the vocabulary, the next state) for previous tokens `prev` (...,) and
-        slot outputs `hidden` (..., hidden); `state` is the rnn's (zeros at the block start)."""
+        """(the rank-r vector W2 projects, the next state) for previous tokens `prev` (...,)
+        and slot outputs `hidden` (..., hidden); `state` is the rnn's (zeros at the block
+        start). Training projects it on the loss vocabulary's rows of W2 only."""
         embedded = self.markov_w1(prev)
         hidden = mx.broadcast_to(hidden, (*embedded.shape[:-1], hidden.shape[-1]))
         if self.kind == "vanilla":
-            return self.markov_w2(embedded), None
+            return embedded, None
         if self.kind == "gated":
             gate = mx.sigmoid(self.gate_proj(mx.concatenate([hidden, embedded], axis=-1)))
-            return self.markov_w2(gate * embedded), None
+            return gate * embedded, None
         state = mx.zeros_like(embedded) if state is None else state
         joint = self.joint_proj(mx.concatenate([state, embedded, hidden], axis=-1))
         gate, candidate, output = mx.split(joint, 3, axis=-1)
         gate = mx.sigmoid(gate)
         state = gate * state + (1.0 - gate) * mx.tanh(candidate)
-        return self.markov_w2(mx.tanh(output)), state
+        return mx.tanh(output), state
+
+    def step(
+        self, prev: mx.array, hidden: mx.array, state: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """(bias over the vocabulary, the next state): W2 times `latent`."""
+        latent, state = self.latent(prev, hidden, state)
+        return self.markov_w2(latent), state
 
 
 class ConfidenceHead(nn.Module):
@@ -262,8 +270,12 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(features, 1)
 
+    def logits(self, features: mx.array) -> mx.array:
+        """The logit of c_k (what training's binary cross-entropy reads)."""
+        return self.proj(features)[..., 0].astype(mx.float32)
+
     def __call__(self, features: mx.array) -> mx.array:
-        return mx.sigmoid(self.proj(features)[..., 0].astype(mx.float32))
+        return mx.sigmoid(self.logits(features))
 
 
 def confident_length(confidence: list[float], cost: Callable[[int], float]) -> int:
@@ -432,13 +444,17 @@ class DSparkDraft(DFlashDraft):
         q = None if logqs[0] is None else mx.concatenate(logqs)
         return mx.stack(tokens), q
 
+    def confidence_features(self, hidden: mx.array, prev: mx.array) -> mx.array:
+        """The confidence head's input for slot outputs `hidden` whose previous tokens are
+        `prev`: `hidden`, with W1[prev] beside it where the head reads the Markov embedding."""
+        if not self.config.confidence_with_markov:
+            return hidden
+        embedded = self.markov_head.markov_w1(prev).astype(hidden.dtype)
+        return mx.concatenate([hidden, embedded], axis=-1)
+
     def confidence(self, hidden: mx.array, prev: mx.array) -> mx.array:
         """c_k (len,) for slot outputs `hidden` whose previous tokens are `prev`."""
-        features = hidden
-        if self.config.confidence_with_markov:
-            embedded = self.markov_head.markov_w1(prev).astype(hidden.dtype)
-            features = mx.concatenate([hidden, embedded], axis=-1)
-        return self.confidence_head(features)
+        return self.confidence_head(self.confidence_features(hidden, prev))
 
     def tree(
         self,

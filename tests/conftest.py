@@ -84,3 +84,30 @@ def loaded(make_pair):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def train_target_dir(workdir):
+    """The test helper's target with its matrices scaled down (as in test_train's
+    `test_a_few_hundred_steps_raise_tau`): its replies then have structure to learn."""
+    import mlx.core as mx
+
+    path = helpers.save_target(workdir / "train-target-scaled")
+    weights = mx.load(str(path / "model.safetensors"))
+    scaled = {k: v * 0.6 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), scaled)
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_data(train_target_dir, tmp_path_factory):
+    """A `train` work dir with the target's replies to 64 prompts (one feature chunk) and
+    their features of `helpers.TRAIN_TAPS`; tests train in copies (`helpers.train_work`)."""
+    from dflash_mlx import cli
+
+    work = tmp_path_factory.mktemp("train-data")
+    common = ["--model", str(train_target_dir), "--work", str(work)]
+    data = ["--num-prompts", "64", "--max-tokens", "12", "--batch-size", "64"]
+    cli.main(["train", "data", *common, *data])
+    cli.main(["train", "features", *common, "--taps", ",".join(map(str, helpers.TRAIN_TAPS))])
+    return work

@@ -293,6 +293,34 @@ def copy_dir(source: Path, dest: Path) -> Path:
     return dest
 
 
+TRAIN_TAPS = [1, 3, 4]  # the target layers the training tests' features are of
+
+
+def train_work(data: Path, dest: Path, target: Path) -> tuple[Path, list[str]]:
+    """A copy at `dest` of a training work dir's replies and features (conftest's
+    `train_data`), without a checkpoint, and the `train` flags naming `target` and it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "replies.jsonl").write_bytes((data / "replies.jsonl").read_bytes())
+    copy_dir(data / "features", dest / "features")
+    return dest, ["--model", str(target), "--work", str(dest)]
+
+
+def fixed_blocks(work: Path) -> tuple[list, np.ndarray]:
+    """Every block of the first four sequences of a `train` work dir, as (sequence, anchors)
+    pairs, and the vocabulary of its data: the same batch to compare drafters on."""
+    from dflash_mlx.train.data import read_records
+    from dflash_mlx.train.features import load_features
+    from dflash_mlx.train.trainer import Sequence
+
+    records = read_records(work / "replies.jsonl")
+    data = [
+        Sequence(np.array(r["ids"]), r["start"], **f)
+        for r, f in zip(records, load_features(work / "features", len(records)))
+    ]
+    vocab = np.unique(np.concatenate([s.ids for s in data]))
+    return [(s, np.arange(s.start, len(s.ids) - 1)) for s in data[:4]], vocab
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 

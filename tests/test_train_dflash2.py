@@ -4,7 +4,6 @@ exported in the published layout that loads strictly, converts and generates los
 from __future__ import annotations
 
 import json
-import shutil
 
 import helpers
 import mlx.core as mx
@@ -17,8 +16,6 @@ from dflash_mlx.draft import DFlashConfig, DFlashDraft
 from dflash_mlx.sampling import make_verifier
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.blocks import block_hidden, selector_loss
-from dflash_mlx.train.data import read_records
-from dflash_mlx.train.features import load_features
 from dflash_mlx.train.trainer import (
     DFlash2Shape,
     Sequence,
@@ -30,24 +27,13 @@ from dflash_mlx.train.trainer import (
     step_batch,
 )
 
-TAPS = [1, 3, 4]
+TAPS = helpers.TRAIN_TAPS
 SHAPE = ["--conv-group-size", "16", "--selector-top-k", "8", "--selector-rank", "8"]
 
 
 @pytest.fixture(scope="module")
-def target_dir(workdir):
-    """The test helper's target with its matrices scaled down (as in test_train's
-    `test_a_few_hundred_steps_raise_tau`): its replies then have structure to learn."""
-    path = helpers.save_target(workdir / "train-dflash2-target")
-    weights = mx.load(str(path / "model.safetensors"))
-    scaled = {k: v * 0.6 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()}
-    mx.save_safetensors(str(path / "model.safetensors"), scaled)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny(target_dir):
-    return dflash_mlx.load(target_dir)
+def tiny(train_target_dir):
+    return dflash_mlx.load(train_target_dir)
 
 
 def features_of(model, ids: np.ndarray) -> mx.array:
@@ -62,34 +48,22 @@ def train_cli(*argv: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def work(target_dir, tmp_path_factory):
+def work(train_data, train_target_dir, tmp_path_factory):
     """A work dir with the target's replies to 64 prompts (one feature chunk) and features."""
-    work = tmp_path_factory.mktemp("train-dflash2")
-    common = ["--model", str(target_dir), "--work", str(work)]
-    train_cli("data", *common, "--num-prompts", "64", "--max-tokens", "12", "--batch-size", "64")
-    train_cli("features", *common, "--taps", ",".join(map(str, TAPS)))
-    return work, common
+    return helpers.train_work(
+        train_data, tmp_path_factory.mktemp("train-dflash2"), train_target_dir
+    )
 
 
 @pytest.fixture
-def fresh_work(work, tmp_path):
-    """A copy of `work`'s data and features without a checkpoint."""
-    work, common = work
-    for name in ("replies.jsonl", "features"):
-        copy = shutil.copytree if (work / name).is_dir() else shutil.copy
-        copy(work / name, tmp_path / name)
-    return tmp_path, common
+def fresh_work(train_data, train_target_dir, tmp_path):
+    """A copy of the data and features without a checkpoint."""
+    return helpers.train_work(train_data, tmp_path, train_target_dir)
 
 
 def fixed_batch_losses(model, draft, work) -> dict[str, float]:
     """Token and selector loss of a drafter on the same blocks of the same four sequences."""
-    records = read_records(work / "replies.jsonl")
-    data = [
-        Sequence(np.array(r["ids"]), r["start"], **f)
-        for r, f in zip(records, load_features(work / "features", len(records)))
-    ]
-    vocab = np.unique(np.concatenate([s.ids for s in data]))
-    pairs = [(s, np.arange(s.start, len(s.ids) - 1)) for s in data[:4]]
+    pairs, vocab = helpers.fixed_blocks(work)
     losses, _, _ = Trainer(model, draft, TrainConfig(), vocab).block_hits(pairs)
     return losses
 
@@ -198,10 +172,10 @@ def test_resume_refuses_an_other_arch_in_one_line(fresh_work, capsys):
 
 
 def test_init_from_a_dflash1_drafter_trains_it_as_dflash2_and_a_dflash2_one_keeps_its_shape(
-    fresh_work, target_dir, capsys
+    fresh_work, train_target_dir, capsys
 ):
     work, common = fresh_work
-    config = helpers.read_config(target_dir)
+    config = helpers.read_config(train_target_dir)
     v1 = helpers.save_draft(work / "v1", config, layers=1, target_layer_ids=TAPS, block_size=6)
     v2 = helpers.save_draft(
         work / "v2", config, layers=1, target_layer_ids=TAPS, block_size=6, dflash2=helpers.DFLASH2
@@ -326,7 +300,7 @@ def test_the_selector_learns_transitions_the_unary_logits_cannot_see(tiny):
         data.append(Sequence(ids, 2, features_of(model, ids).astype(mx.float16)))
     cfg = TrainConfig(steps=80, seqs_per_step=2, blocks_per_seq=8, warmup=5, lr=1e-2)
     shape = DFlash2Shape(selector_top_k=16, selector_rank=8)
-    trainer = Trainer(model, make_draft(model, 1, TAPS, 6, seed=1, dflash2=shape), cfg)
+    trainer = Trainer(model, make_draft(model, 1, TAPS, 6, seed=1, shape=shape), cfg)
     held_out = []
     for _ in range(2):
         xs = rng.choice(6, size=24)

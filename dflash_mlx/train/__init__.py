@@ -3,10 +3,10 @@
 The stages run separately and each resumes where it stopped: `data` stores the
 target's greedy replies to offline prompts as token ids (replies.jsonl);
 `features` caches the target's hidden states of the tapped layers (fp16) for
-every stored sequence; `fit` trains a drafter on random anchored blocks with a
-block-sparse mask and checkpoints (ckpt/); `export` writes our layout with a
-model card and the published layout. Everything large lives in the work dir
-(default ~/.cache/dflash-mlx/train/<name>), never in the repository.
+every stored sequence; `fit` trains a drafter (DFlash 1, DFlash 2 or DSpark: `--arch`)
+on random anchored blocks with a block-sparse mask and checkpoints (ckpt/); `export`
+writes our layout with a model card and the published layout. Everything large lives
+in the work dir (default ~/.cache/dflash-mlx/train/<name>), never in the repository.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..draft import DFlashDraft
-    from .trainer import DFlash2Shape
+    from .trainer import DraftShape
 
 DEFAULT_TAPS = "1,8,14,20,27"
 DFLASH2_FLAGS = {
@@ -27,6 +27,20 @@ DFLASH2_FLAGS = {
     "selector_top_k": "candidates per block position the selector chooses among",
     "selector_rank": "rank of the selector's codebooks",
     "sliding_window": "make every layer a sliding-window layer of this width",
+}
+DSPARK_FLAGS = {
+    "markov_rank": ("rank of the Markov head's W1/W2; 0: none", int),
+    "markov_head": ("Markov head: vanilla, gated or rnn", str),
+    "confidence_head": ("confidence head input: markov ([h; W1[prev]]), hidden (h) or off", str),
+}
+DSPARK_WEIGHTS = {
+    "ce_weight": "weight of the cross-entropy",
+    "l1_weight": "weight of the L1 distance to the target's distribution",
+    "confidence_weight": "weight of the confidence head's binary cross-entropy",
+}
+ARCH_FLAGS = {
+    "dflash2": ("DFlash 2", [*DFLASH2_FLAGS, "selector_weight"]),
+    "dspark": ("DSpark", [*DSPARK_FLAGS, *DSPARK_WEIGHTS]),
 }
 
 
@@ -70,14 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layers that start as the identity. Use an --lr near its final one (3e-4 for the "
         "shipped drafter): fresh AdamW moments at 1e-3 undid what it had learned",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="positions a cycle verifies (DSpark: its slots γ = block size - 1 each draft)",
+    )
     p.add_argument(
         "--arch",
-        choices=("dflash1", "dflash2"),
+        choices=("dflash1", "dflash2", "dspark"),
         default=None,
-        help="dflash1 (default; with --init-from: that drafter's) or dflash2: convolutions "
-        "around every sublayer and a candidate selector, trained with a selector loss",
+        help="dflash1 (default; with --init-from: that drafter's), dflash2: convolutions "
+        "around every sublayer and a candidate selector, trained with a selector loss, or "
+        "dspark: a Markov and a confidence head, trained with DeepSpec's loss (a DFlash 1 "
+        "--init-from keeps its slots: slot 0 drafts nothing)",
     )
+    from .dspark import DSparkShape
     from .trainer import DFlash2Shape, TrainConfig
 
     for field, text in DFLASH2_FLAGS.items():
@@ -95,15 +117,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight of the selector loss next to the token loss (dflash2; default "
         f"{TrainConfig.selector_weight})",
     )
+    for field, (text, kind) in DSPARK_FLAGS.items():
+        p.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=kind,
+            default=None,
+            help=f"{text} (dspark; default {getattr(DSparkShape(), field)})",
+        )
+    for field, text in DSPARK_WEIGHTS.items():
+        p.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=float,
+            default=None,
+            help=f"{text} (dspark; default {getattr(TrainConfig, field)}, DeepSpec's)",
+        )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seqs-per-step", type=int, default=2)
     p.add_argument("--blocks-per-seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--gamma", type=float, default=7.0, help="loss decay w_k = exp(-(k-1)/gamma)")
+    p.add_argument(
+        "--gamma",
+        type=float,
+        default=None,
+        help="loss decay w_k = exp(-(k-1)/gamma) (default 7; dspark: 4, DeepSpec's)",
+    )
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument(
-        "--soft-weight", type=float, default=0.5, help="share of the target's top-K soft labels"
+        "--soft-weight",
+        type=float,
+        default=None,
+        help="share of the target's top-K soft labels (default 0.5; not dspark's: its L1 "
+        "term matches the target's whole distribution)",
     )
     p.add_argument("--full-vocab", action="store_true", help="softmax over the whole vocab")
     p.add_argument("--save-every", type=int, default=50)
@@ -139,30 +184,69 @@ def load_target(args: argparse.Namespace):
     return load(args.model or smollm2_model_dir(), trust_remote_code=args.trust_remote_code)
 
 
-def dflash2_shape(args: argparse.Namespace) -> DFlash2Shape | None:
-    """The `DFlash2Shape` that `--arch dflash2` and its flags ask for; None for DFlash 1."""
+def arch_shape(args: argparse.Namespace) -> DraftShape | None:
+    """The shape that `--arch dflash2` or `--arch dspark` and their flags ask for; None for
+    DFlash 1. A flag of another architecture is refused."""
+    from .dspark import DSparkShape
     from .trainer import DFlash2Shape
 
-    given = [f for f in [*DFLASH2_FLAGS, "selector_weight"] if getattr(args, f) is not None]
-    if args.arch != "dflash2":
-        if given:
+    for arch, (name, flags) in ARCH_FLAGS.items():
+        given = [f for f in flags if getattr(args, f) is not None]
+        if given and args.arch != arch:
             flag = given[0].replace("_", "-")
-            raise ValueError(f"--{flag} is a DFlash 2 setting: add --arch dflash2")
-        return None
-    return DFlash2Shape(**{f: getattr(args, f) for f in DFLASH2_FLAGS if f in given})
+            raise ValueError(f"--{flag} is a {name} setting: add --arch {arch}")
+    if args.arch == "dflash2":
+        return DFlash2Shape(**given_flags(args, DFLASH2_FLAGS))
+    if args.arch == "dspark":
+        return DSparkShape(**given_flags(args, DSPARK_FLAGS))
+    return None
+
+
+def given_flags(args: argparse.Namespace, flags: dict | list) -> dict:
+    return {f: getattr(args, f) for f in flags if getattr(args, f) is not None}
+
+
+def loss_settings(args: argparse.Namespace, arch: str) -> dict:
+    """The `TrainConfig` loss fields for a drafter of `arch`: the flags given, else that
+    architecture's defaults (DSpark: DeepSpec's decay 4 and no soft labels)."""
+    if arch == "dspark" and args.soft_weight is not None:
+        raise ValueError(
+            "--soft-weight is no part of DSpark's loss: its L1 term already compares the "
+            "drafter's distribution with the target's whole one"
+        )
+    dspark = arch == "dspark"
+    return {
+        "gamma": args.gamma if args.gamma is not None else 4.0 if dspark else 7.0,
+        "soft_weight": 0.0 if dspark else 0.5 if args.soft_weight is None else args.soft_weight,
+        **given_flags(args, [*DSPARK_WEIGHTS, "selector_weight"]),
+    }
 
 
 def arch_of(draft: DFlashDraft) -> str:
+    from ..dspark import DSparkConfig
+
+    if isinstance(draft.config, DSparkConfig):
+        return "dspark"
     return "dflash2" if draft.config.is_dflash2 else "dflash1"
 
 
+def held_settings(draft: DFlashDraft) -> dict:
+    """The shape flags' values that `draft` has (DFlash 2's, and DSpark's for a DSpark one)."""
+    from .dspark import DSparkShape
+
+    held = {f: getattr(draft.config, f) for f in DFLASH2_FLAGS}
+    if arch_of(draft) == "dspark":
+        held.update({f: getattr(DSparkShape.of(draft.config), f) for f in DSPARK_FLAGS})
+    return held
+
+
 def check_arch(draft: DFlashDraft, args: argparse.Namespace, source: str, hint: str = "") -> None:
-    """`--arch` and the DFlash 2 shape flags, where given, must match the drafter that
-    `source` holds (a checkpoint to resume, a DFlash 2 drafter to start from)."""
+    """`--arch` and the shape flags, where given, must match the drafter that `source` holds
+    (a checkpoint to resume, a DFlash 2 or DSpark drafter to start from)."""
     if args.arch and args.arch != arch_of(draft):
         raise ValueError(f"{source} holds a {arch_of(draft)} drafter, not --arch {args.arch}{hint}")
-    for field in DFLASH2_FLAGS:
-        wanted, held = getattr(args, field), getattr(draft.config, field)
+    for field, held in held_settings(draft).items():
+        wanted = getattr(args, field)
         if wanted is not None and wanted != held:
             flag = field.replace("_", "-")
             raise ValueError(
@@ -199,11 +283,14 @@ def run_features(args: argparse.Namespace, work: Path) -> None:
 
 
 def run_fit(args: argparse.Namespace, work: Path) -> None:
+    from dataclasses import replace
+
     import mlx.core as mx
     import numpy as np
 
     from ..chat_format import render
     from .data import read_records
+    from .dspark import DSparkShape, DSparkTrainer
     from .features import cached_records, load_features
     from .prompts import build_prompts
     from .trainer import (
@@ -219,7 +306,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         scale_fc_to_features,
     )
 
-    shape = dflash2_shape(args)
+    shape = arch_shape(args)
     model, tokenizer = load_target(args)
     taps = json.loads((work / "features" / "meta.json").read_text())["target_layer_ids"]
     records = read_records(work / "replies.jsonl")
@@ -236,22 +323,6 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         f"{len(val)} held out for validation"
     )
     vocab = None if args.full_vocab else np.unique(np.concatenate([s.ids for s in data + val]))
-    cfg = TrainConfig(
-        steps=args.steps,
-        seqs_per_step=args.seqs_per_step,
-        blocks_per_seq=args.blocks_per_seq,
-        lr=args.lr,
-        warmup=args.warmup,
-        clip=args.clip,
-        gamma=args.gamma,
-        soft_weight=args.soft_weight,
-        selector_weight=(
-            TrainConfig.selector_weight if args.selector_weight is None else args.selector_weight
-        ),
-        seed=args.seed,
-        save_every=args.save_every,
-        eval_every=args.eval_every,
-    )
     ckpt = work / "ckpt"
     finish_save(ckpt)
     if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
@@ -263,9 +334,12 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         from ..checkpoint import load_draft
 
         source = load_draft(args.init_from, dtype=mx.float32)
-        if source.config.is_dflash2:
+        if arch_of(source) != "dflash1":  # it keeps its own shape
             check_arch(source, args, args.init_from)
-        draft = grow_draft(source, args.layers, None if source.config.is_dflash2 else shape)
+            shape = None
+        elif isinstance(shape, DSparkShape):
+            shape = replace(shape, from_anchor=False)  # DFlash's slots, as it was trained
+        draft = grow_draft(source, args.layers, shape)
         if draft.config.target_layer_ids != taps:
             raise ValueError(
                 f"{args.init_from} taps target layers {draft.config.target_layer_ids}, "
@@ -277,9 +351,21 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         )
     else:
         draft = make_draft(
-            model, args.layers, taps, args.block_size, args.init_layers, args.seed, dflash2=shape
+            model, args.layers, taps, args.block_size, args.init_layers, args.seed, shape=shape
         )
-    trainer = Trainer(model, draft, cfg, vocab)
+    cfg = TrainConfig(
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        blocks_per_seq=args.blocks_per_seq,
+        lr=args.lr,
+        warmup=args.warmup,
+        clip=args.clip,
+        seed=args.seed,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        **loss_settings(args, arch_of(draft)),
+    )
+    trainer = (DSparkTrainer if arch_of(draft) == "dspark" else Trainer)(model, draft, cfg, vocab)
     if ckpt.exists():
         trainer.load(ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}")
@@ -301,7 +387,13 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     from .trainer import checkpoint_draft
 
     draft, step = checkpoint_draft(work / "ckpt")
-    card = Path(args.card).read_text() if args.card else f"# DFlash drafter, step {step}\n"
+    if args.published and arch_of(draft) == "dspark":
+        raise ValueError(
+            "--published writes z-lab's DFlash layout; a DSpark drafter's is the one --out "
+            "writes (DSparkDraftModel)"
+        )
+    name = {"dflash1": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}[arch_of(draft)]
+    card = Path(args.card).read_text() if args.card else f"# {name} drafter, step {step}\n"
     if args.draft_vocab:
         from mlx_lm.utils import load_tokenizer
 

@@ -59,7 +59,8 @@ def block_hidden(
     ids: np.ndarray,
     anchors: np.ndarray,
 ) -> mx.array:
-    """Final drafter hidden states (N, B, hidden) of all blocks of one sequence in one forward."""
+    """Final drafter hidden states (N, slots, hidden) of all blocks of one sequence in one
+    forward (`DFlashConfig.slots`: B for DFlash, γ = B - 1 for DSpark)."""
     cfg = draft.config
     context = draft.fuse(features[None].astype(mx.float32))
     offsets = mx.array(anchors.astype(np.int32))
@@ -68,9 +69,15 @@ def block_hidden(
         keys, values = layer.self_attn.keys_values(context, 0)
         mask = context_mask(anchors, features.shape[0], layer.self_attn.window)
         contexts.append(BlockContext(keys, values, offsets, mask))
-    block = np.full((len(anchors), cfg.block_size), cfg.mask_token_id, dtype=np.int32)
+    block = np.full((len(anchors), cfg.slots), cfg.mask_token_id, dtype=np.int32)
     block[:, 0] = ids[anchors]
     return draft(draft.embed_blocks(embed, mx.array(block)), contexts)
+
+
+def drafting_slots(hidden: mx.array, block_size: int) -> mx.array:
+    """Of `block_hidden`'s output, the slots (N, B-1, hidden) that draft the B-1 labels:
+    DFlash's mask slots, or every slot of a DSpark block (each predicts the token after it)."""
+    return hidden[:, hidden.shape[1] - (block_size - 1) :]
 
 
 def block_loss(
@@ -98,10 +105,15 @@ def block_loss(
     return (ce * weights).sum(), hits
 
 
+def predicting_positions(anchors: np.ndarray, block_size: int, length: int) -> np.ndarray:
+    """Positions anchor..anchor+B-2 (N, B-1), clipped to the sequence: the target's output
+    at each predicts the next label, and its token is the true token before that label."""
+    return np.minimum(anchors[:, None] + np.arange(block_size - 1)[None], length - 1)
+
+
 def block_predecessors(ids: np.ndarray, anchors: np.ndarray, block_size: int) -> np.ndarray:
     """The true token before each label (N, B-1): the anchor, then labels 1..B-2."""
-    pos = anchors[:, None] + np.arange(block_size - 1)[None]
-    return ids[np.minimum(pos, len(ids) - 1)]
+    return ids[predicting_positions(anchors, block_size, len(ids))]
 
 
 def selector_loss(
@@ -149,5 +161,5 @@ def soft_labels(
     top_ids: np.ndarray, top_logp: np.ndarray, anchors: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The target's top-K at positions anchor..anchor+B-2 (each predicts the next label)."""
-    pos = np.minimum(anchors[:, None] + np.arange(block_size - 1)[None], len(top_ids) - 1)
+    pos = predicting_positions(anchors, block_size, len(top_ids))
     return top_ids[pos], top_logp[pos]

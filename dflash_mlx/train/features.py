@@ -25,12 +25,16 @@ def sequence_features(
     batch_size: int = 8,
     top_k: int = 8,
 ) -> list[dict[str, mx.array]]:
-    """Per sequence: "features" (T, len(layer_ids) * hidden) fp16, and the target's own
-    next-token distribution at every position as its `top_k` ids and log-probs (soft labels)."""
+    """Per sequence: "features" (T, len(layer_ids) * hidden) fp16, the target's own
+    next-token distribution at every position as its `top_k` ids and log-probs (soft labels),
+    and "last_hidden" (T, hidden) fp16, the final-normed hidden state the LM head reads (its
+    whole next-token distribution, which DSpark's loss compares the drafter's with)."""
     target = TargetAdapter(model)
+    last = len(target.layers) - 1
+    norm = getattr(target.backbone, "norm", None)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[dict[str, mx.array]] = [{} for _ in sequences]
-    with target.capture(layer_ids) as captured:
+    with target.capture(sorted({*layer_ids, last})) as captured:
         for b in range(0, len(order), batch_size):
             idx = order[b : b + batch_size]
             width = max(len(sequences[i]) for i in idx)
@@ -41,7 +45,8 @@ def sequence_features(
             top_ids = mx.argpartition(logits, -top_k, axis=-1)[..., -top_k:]
             top = mx.take_along_axis(logits, top_ids, axis=-1)
             top_logp = (top - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float16)
-            mx.eval(feats, top_ids, top_logp)
+            final = None if norm is None else norm(captured[last]).astype(mx.float16)
+            mx.eval(feats, top_ids, top_logp, final)
             for row, i in enumerate(idx):
                 n = len(sequences[i])
                 out[i] = {
@@ -49,6 +54,8 @@ def sequence_features(
                     "top_ids": top_ids[row, :n].astype(mx.int32),
                     "top_logp": top_logp[row, :n],
                 }
+                if final is not None:
+                    out[i]["last_hidden"] = final[row, :n]
     return out
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..checkpoint import init_draft, replace_dir, save_weights
+from ..checkpoint import draft_config, init_draft, new_draft, replace_dir, save_weights
 from ..draft import DFlashConfig, DFlashDraft
 from ..generate import stream_generate
 from ..target import TargetAdapter
@@ -30,6 +31,7 @@ from .blocks import (
     block_labels,
     block_loss,
     block_predecessors,
+    drafting_slots,
     position_weights,
     sample_anchors,
     selector_loss,
@@ -50,6 +52,9 @@ class TrainConfig:
     gamma: float = 7.0
     soft_weight: float = 0.0
     selector_weight: float = 0.3
+    ce_weight: float = 0.1  # DSpark's loss weights, as DeepSpec's published drafters
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
     seed: int = 0
     save_every: int = 100
     eval_every: int = 0
@@ -58,13 +63,24 @@ class TrainConfig:
 
 @dataclass
 class Sequence:
-    """Prompt + reply token ids (reply from `start`), cached target features and soft labels."""
+    """Prompt + reply token ids (reply from `start`), cached target features, soft labels and
+    the target's final hidden states (`features.sequence_features`)."""
 
     ids: np.ndarray
     start: int
     features: mx.array
     top_ids: mx.array | None = None
     top_logp: mx.array | None = None
+    last_hidden: mx.array | None = None
+
+
+class DraftShape(Protocol):
+    """What `--arch` makes of a DFlash 1 drafter's config (`DFlash2Shape`,
+    `dspark.DSparkShape`), and how its added parts start."""
+
+    def apply(self, cfg: DFlashConfig) -> DFlashConfig: ...
+
+    def start(self, draft: DFlashDraft) -> None: ...
 
 
 @dataclass
@@ -97,6 +113,9 @@ class DFlash2Shape:
             is_causal=False,  # as published: sliding layers see the whole block too
         )
 
+    def start(self, draft: DFlashDraft) -> None:
+        start_dflash2_parts(draft)
+
 
 def start_dflash2_parts(draft: DFlashDraft, layers: list | None = None) -> None:
     """Start `layers`' convolutions (default: all) and the selector so that `draft` computes
@@ -126,10 +145,10 @@ def make_draft(
     init_layers: list[int] | None = None,
     seed: int = 0,
     output_scale: float = 0.1,
-    dflash2: DFlash2Shape | None = None,
+    shape: DraftShape | None = None,
 ) -> DFlashDraft:
-    """A float32 drafter for `model` (DFlash 2 with `dflash2`); `init_layers` copies those
-    target layers into it.
+    """A float32 drafter for `model` (DFlash 1, or what `shape` makes of it: DFlash 2, DSpark);
+    `init_layers` copies those target layers into it.
 
     The final norm starts as the target's (or ones) times `output_scale`: the
     frozen LM head turns a full-scale random hidden state into confidently
@@ -138,11 +157,7 @@ def make_draft(
     starts near uniform (measured: loss 4.9 instead of 11.8 after 5 steps).
     """
     base = init_draft(model, num_layers=num_layers, block_size=block_size, seed=seed)
-    config = replace(base.config, target_layer_ids=list(target_layer_ids))
-    draft = DFlashDraft(dflash2.apply(config) if dflash2 else config)
-    draft.set_dtype(mx.float32)
-    if dflash2:
-        start_dflash2_parts(draft)
+    draft = shaped_draft(replace(base.config, target_layer_ids=list(target_layer_ids)), shape)
     if init_layers:
         if len(init_layers) != num_layers:
             raise ValueError(f"--init-layers needs {num_layers} target layer ids")
@@ -159,11 +174,21 @@ def make_draft(
     return draft
 
 
+def shaped_draft(config: DFlashConfig, shape: DraftShape | None) -> DFlashDraft:
+    """A float32 drafter of `config` as `shape` makes it, its new parts started."""
+    draft = new_draft(shape.apply(config) if shape else config)
+    draft.set_dtype(mx.float32)
+    if shape:
+        shape.start(draft)
+    return draft
+
+
 def grow_draft(
-    source: DFlashDraft, num_layers: int, dflash2: DFlash2Shape | None = None
+    source: DFlashDraft, num_layers: int, shape: DraftShape | None = None
 ) -> DFlashDraft:
-    """`source` (float32) with layers appended that start as the identity; with `dflash2`,
-    a DFlash 1 `source` becomes a DFlash 2 drafter whose new parts start as the identity.
+    """`source` (float32) with layers appended that start as the identity; with `shape`, a
+    DFlash 1 `source` becomes a DFlash 2 or DSpark drafter whose new parts start as the
+    identity (DFlash 2's convolutions; DSpark's Markov bias at zero).
 
     The new layers' output projections are zero, so the grown drafter computes
     exactly what `source` does and training continues from there instead of
@@ -177,11 +202,8 @@ def grow_draft(
         )
     layer_types = cfg.layer_types + cfg.layer_types[-1:] * added
     grown = replace(cfg, num_hidden_layers=num_layers, layer_types=layer_types)
-    draft = DFlashDraft(dflash2.apply(grown) if dflash2 else grown)
-    draft.set_dtype(mx.float32)
-    if dflash2:
-        start_dflash2_parts(draft)
-    elif cfg.conv_kernel_size:
+    draft = shaped_draft(grown, shape)
+    if not shape and cfg.conv_kernel_size:
         start_dflash2_parts(draft, draft.layers[cfg.num_hidden_layers :])
     draft.load_weights(tree_flatten(source.parameters()), strict=False)
     for layer in draft.layers[cfg.num_hidden_layers :]:
@@ -282,13 +304,14 @@ class Trainer:
         self.weights = position_weights(draft.config.block_size, cfg.gamma)
         self._grad = nn.value_and_grad(draft, self._loss)
 
-    def _loss(self, batch: list[tuple]) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """(loss, hits, token loss, selector loss); a DFlash 1 drafter's selector loss is 0."""
+    def _loss(self, batch: list[tuple]) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
+        """(loss, hits, its parts): a DFlash 2 drafter's token and selector losses, none for
+        DFlash 1."""
         selector = self.draft.get("candidate_selector")
         token, choice, hits = mx.array(0.0), mx.array(0.0), []
         for features, ids, anchors, labels, weights, soft, predecessors in batch:
             hidden = block_hidden(self.draft, self.target.embed_tokens, features, ids, anchors)
-            hidden = hidden[:, 1:]
+            hidden = drafting_slots(hidden, self.draft.config.block_size)
             logits = self.head(hidden)
             loss, h = block_loss(logits, labels, weights, soft, self.cfg.soft_weight)
             token = token + loss
@@ -299,7 +322,8 @@ class Trainer:
                 choice = choice + loss
             hits.append(h)
         total = token + self.cfg.selector_weight * choice
-        return total, mx.concatenate(hits), token, choice
+        parts = {"token_loss": token, "selector_loss": choice} if selector is not None else {}
+        return total, mx.concatenate(hits), parts
 
     def _soft(self, seq: Sequence, anchors: np.ndarray) -> tuple[mx.array, mx.array] | None:
         """Soft targets mapped into the loss vocabulary (tokens outside it get probability 0)."""
@@ -340,19 +364,13 @@ class Trainer:
     def train_step(self, pairs: list[tuple[Sequence, np.ndarray]]) -> dict:
         """One AdamW step on the weighted mean cross-entropy of all blocks of `pairs`."""
         batch, valid = self._batch(pairs)
-        (loss, hits, token, choice), grads = self._grad(batch)
+        (loss, hits, parts), grads = self._grad(batch)
         grads, grad_norm = optim.clip_grad_norm(grads, self.cfg.clip)
         self.optimizer.update(self.draft, grads)
-        mx.eval(self.draft.parameters(), self.optimizer.state, loss, hits, token, choice)
+        mx.eval(self.draft.parameters(), self.optimizer.state, loss, hits, parts)
         self.step += 1
-        losses = self._losses(loss, token, choice)
+        losses = {"loss": loss.item(), **{k: v.item() for k, v in parts.items()}}
         return {**losses, "grad_norm": grad_norm.item(), **hit_stats(hits, valid)}
-
-    def _losses(self, loss: mx.array, token: mx.array, choice: mx.array) -> dict[str, float]:
-        """The loss, and for a DFlash 2 drafter its two parts."""
-        if "candidate_selector" not in self.draft:
-            return {"loss": loss.item()}
-        return {"loss": loss.item(), "token_loss": token.item(), "selector_loss": choice.item()}
 
     def validate(self, data: list[Sequence]) -> dict:
         """Loss, accuracy and tau on held-out sequences from an anchor at every reply position.
@@ -390,11 +408,13 @@ class Trainer:
     def block_hits(
         self, pairs: list[tuple[Sequence, np.ndarray]]
     ) -> tuple[dict[str, float], np.ndarray, list]:
-        """Losses (`_losses`), per-block hits (N, B-1) of the drafter's greedy choice (the
-        argmax; DFlash 2: the selector's, given the true prefix), label-validity masks."""
+        """The loss and its parts (`_loss`), per-block hits (N, B-1) of the drafter's greedy
+        choice (the argmax; DFlash 2: the selector's, DSpark: the Markov walk's, given the
+        true prefix), label-validity masks."""
         batch, valid = self._batch(pairs)
-        loss, hits, token, choice = self._loss(batch)
-        return self._losses(loss, token, choice), np.array(hits), valid
+        loss, hits, parts = self._loss(batch)
+        losses = {"loss": loss.item(), **{k: v.item() for k, v in parts.items()}}
+        return losses, np.array(hits), valid
 
     def save(self, path: Path) -> None:
         """Drafter weights, optimizer state and step, written to a temp dir then swapped in
@@ -438,7 +458,7 @@ def checkpoint_draft(ckpt: Path) -> tuple[DFlashDraft, int]:
     if not (ckpt / "state.json").exists():
         raise FileNotFoundError(f"no training checkpoint in {ckpt} (run `train fit` first)")
     state = json.loads((ckpt / "state.json").read_text())
-    draft = DFlashDraft(DFlashConfig.from_dict(state["draft"]))
+    draft = new_draft(draft_config(state["draft"]))
     draft.set_dtype(mx.float32)
     draft.load_weights(str(ckpt / "draft.safetensors"))
     mx.eval(draft.parameters())
@@ -482,7 +502,8 @@ def decode_tau(
     return float(np.mean(taus))
 
 
-LOGGED = ("loss", "token_loss", "selector_loss", "tau_est")
+PARTS = ("token_loss", "selector_loss", "ce_loss", "l1_loss", "confidence_loss")
+LOGGED = ("loss", *PARTS, "tau_est")
 
 
 def trim_log(log: Path, step: int) -> bool:
@@ -543,9 +564,13 @@ def fit(
                 "seconds": round(float(np.mean([w["seconds"] for w in window])), 3),
             }
             bar.update(1)
-            selector = f"selector {stats['selector_loss']:.3f} " if "selector_loss" in stats else ""
+            parts = "".join(
+                f"{k.removesuffix('_loss')} {stats[k]:.3f} "
+                for k in PARTS
+                if k in stats and k != "token_loss"
+            )
             bar.set_postfix_str(
-                f"loss {stats['loss']:.3f} {selector}"
+                f"loss {stats['loss']:.3f} {parts}"
                 f"acc@1-4 {' '.join(f'{a:.2f}' for a in stats['acc'][:4])} "
                 f"tau~{stats['tau_est']:.2f}"
             )
