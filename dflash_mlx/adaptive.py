@@ -53,12 +53,13 @@ from dataclasses import dataclass, field
 class Cycle:
     """A finished cycle, as a size policy learns from it: draft tokens verified, accepted
     (the leading ones of a chain; a tree's accepted path), wall time, and for a tree the
-    drafter's path probabilities of its verified nodes."""
+    drafter's path probabilities of its verified nodes and the accepted path's nodes."""
 
     proposed: int
     accepted: int
     seconds: float
     probabilities: list[float] | None = None
+    path: list[int] | None = None  # a tree's accepted path: node indices from the root
 
 
 # A cycle's cost by block size, relative to a plain step, for sampled runs (no timing).
@@ -296,3 +297,161 @@ class AdaptiveTree:
             self.accepted = self.decay * self.accepted + cycle.accepted
             self.predicted = self.decay * self.predicted + sum(probabilities)
         running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next cycle: `drafts` draft tokens (0: a plain step), as a chain or as a tree of up
+    to that many nodes."""
+
+    drafts: int
+    tree: bool = False
+
+
+# A tree cycle's cost by verified positions (budget + 1), relative to a plain step, for sampled
+# runs (no timing), measured as `FIXED_CYCLE_COSTS` were. CPU: trees of 6, 8 and 12 with the
+# prompt lookup at 1.23, 1.26 and 1.35 mlx-lm steps (benchmarks/README.md, "Trees and prompt
+# lookup"). GPU: the Qwen3-8B shape on an H100, trees of 4, 8, 16 and 32 at 2.81, 3.26, 3.45 and
+# 3.60 steps where the block-16 chain cost 2.73 ("The few-rows kernel on an H100"), scaled by
+# 2.6 / 2.73 to the chain's cost in `FIXED_CYCLE_COSTS["gpu"]`.
+FIXED_TREE_COSTS = {
+    "cpu": {7: 1.23, 9: 1.26, 13: 1.35},
+    "gpu": {5: 2.68, 9: 3.1, 17: 3.29, 33: 3.43},
+}
+
+
+@dataclass
+class AdaptiveStrategy:
+    """Each cycle a chain or a tree, whichever is expected to commit the most tokens per second.
+
+    The arms are chains of every block size on `block_ladder(block_size)` (1: a plain step)
+    and trees of every budget on `block_ladder(tree_budget)` from 2 up; the next cycle plays
+    the one with the largest E / c. E is the decayed mean of the tokens the arm committed,
+    and one cycle measures every smaller arm of its kind too: a chain's first n - 1 drafts
+    are the chain of block n, and a tree is built best first, so its first b nodes are the
+    tree of budget b and the path the target accepted tells what that tree would have
+    committed. c is the running average wall time of the kind's cycles of as many positions
+    (interpolated as `AdaptiveBlock`'s); a tree costs at least the chain of as many positions
+    (the same forward, and its top-k and build on the host besides). The first cycles
+    alternate the full chain and the largest tree, `explore` of each; then probes come as
+    `AdaptiveBlock`'s do, every other one the largest arm of the other kind (so its
+    acceptance follows the text), between them the next larger or smaller arm of the best's.
+
+    With the shipped SmolLM2 drafter on a CPU this settles on trees of 6-12 with the prompt
+    lookup; a strong drafter on a GPU, where a tree costs more than the chain of its depth,
+    keeps deep chains. When sampling (`fixed_costs`: chain costs by block size, tree costs
+    by positions) the choice follows the acceptance alone, so a seeded run is reproducible.
+    Neither kind changes the output.
+    """
+
+    block_size: int  # the longest chain
+    tree_budget: int = 16  # the largest tree (0: chains only)
+    decay: float = 0.98  # weight kept by older counts at each cycle
+    smoothing: float = 0.3  # weight of the newest cycle in the running cost averages
+    min_probe_gap: int = 8
+    max_probe_gap: int = 64
+    plain_probe_gap: int = 16  # the longest gap between probes while a plain step is best
+    explore: int = 3  # first cycles: the full chain and the largest tree, this many each
+    stale: float = 0.5  # the other kind's weight below which its largest arm is played again
+    fixed_costs: tuple[dict[int, float], dict[int, float]] | None = None
+    tokens: dict[Plan, float] = field(default_factory=dict)  # decayed sums by arm
+    weight: dict[Plan, float] = field(default_factory=dict)
+    seconds: dict[bool, dict[int, float]] = field(default_factory=dict)  # by kind, positions
+    cycles: int = 0
+    probes: int = 0
+    probe_gap: int = 0
+    next_probe: int = 0
+    last_best: Plan | None = None
+
+    def __post_init__(self) -> None:
+        self.probe_gap = self.next_probe = self.min_probe_gap
+        self.seconds = {False: {}, True: {}}
+        if self.fixed_costs is not None:
+            for kind, costs in zip((False, True), self.fixed_costs):
+                self.seconds[kind] = {n: interpolated_cost(costs, n) for n in block_ladder(64)}
+
+    @property
+    def timed(self) -> bool:
+        """Whether the arms are costed by the clock (greedy) or by fixed tables (sampling)."""
+        return self.fixed_costs is None
+
+    @property
+    def setting(self) -> tuple[str, int]:
+        """What it was made for: ("chains and trees up to block size", n)."""
+        return "chains and trees up to block size", self.block_size
+
+    def arms(self, tree: bool | None = None) -> list[Plan]:
+        """Every arm (of one kind: chains, tree=False, or trees)."""
+        chains = [Plan(n - 1) for n in block_ladder(self.block_size)]
+        budgets = block_ladder(self.tree_budget) if self.tree_budget > 1 else []
+        trees = [Plan(b, True) for b in budgets if b > 1]
+        return {None: chains + trees, False: chains, True: trees}[tree]
+
+    def expected_tokens(self, plan: Plan) -> float:
+        """E: tokens a cycle of this plan commits on average (the bonus token included), as
+        measured for it or for the largest smaller arm of its kind (1 where none was)."""
+        measured = [
+            p for p in self.arms(plan.tree) if p.drafts <= plan.drafts and self.weight.get(p)
+        ]
+        if not measured:
+            return 1.0
+        return self.tokens[measured[-1]] / self.weight[measured[-1]]
+
+    def cost(self, plan: Plan) -> float:
+        """c in seconds (or steps, with fixed costs)."""
+        chain = interpolated_cost(self.seconds[False], plan.drafts + 1)
+        if plan.tree and self.seconds[True]:
+            return max(interpolated_cost(self.seconds[True], plan.drafts + 1), chain)
+        return chain
+
+    def best(self) -> Plan:
+        return max(self.arms(), key=lambda p: self.expected_tokens(p) / self.cost(p))
+
+    def plan(self) -> Plan:
+        """What the next cycle verifies."""
+        chains, trees = self.arms(False), self.arms(True)
+        if self.cycles < 2 * self.explore and trees:
+            return (trees, chains)[self.cycles % 2][-1]
+        best = self.best()
+        other = chains if best.tree else trees
+        if other and self.weight.get(other[1], 0.0) < self.stale:
+            return other[-1]  # what is known of the other kind is old: measure it again
+        if best != self.last_best:
+            self.last_best, self.probe_gap = best, self.min_probe_gap
+        if self.cycles < self.next_probe:
+            return best
+        self.next_probe = self.cycles + self.probe_gap
+        longest = self.plain_probe_gap if best == Plan(0) else self.max_probe_gap
+        self.probe_gap = min(2 * self.probe_gap, longest)
+        self.probes += 1
+        same = self.arms(best.tree)
+        i = same.index(best)
+        up = (self.probes % 2 or i == 0) and i < len(same) - 1
+        return same[i + 1 if up else max(i - 1, 0)]
+
+    def fit(self, probabilities: list[float]) -> int:
+        """A planned tree is verified whole."""
+        return len(probabilities)
+
+    def drop_trees(self) -> None:
+        """Plan chains only from now on (the target refused a tree forward)."""
+        self.tree_budget = 0
+
+    def record(self, cycle: Cycle) -> None:
+        """One finished cycle: a chain, or a tree (with its accepted path)."""
+        self.cycles += 1
+        tree = cycle.path is not None
+        if tree and not cycle.proposed:
+            return  # the root alone (a reply's last token): nothing learned
+        if self.timed:
+            running_average(self.seconds[tree], cycle.proposed + 1, cycle.seconds, self.smoothing)
+        for plan in self.arms():
+            self.tokens[plan] = self.decay * self.tokens.get(plan, 0.0)
+            self.weight[plan] = self.decay * self.weight.get(plan, 0.0)
+            if plan.tree == tree and 0 < plan.drafts <= cycle.proposed:
+                if tree:  # the path's nodes come in increasing order
+                    accepted = sum(node <= plan.drafts for node in cycle.path[1:])
+                else:
+                    accepted = min(cycle.accepted, plan.drafts)
+                self.tokens[plan] += 1 + accepted
+                self.weight[plan] += 1

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock, AdaptiveTree
+from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .chat_format import encode_prompt
 from .distributed import world_group
 from .draft import DFlashDraft
@@ -29,7 +29,7 @@ from .prompt_cache import PromptCache, make_prompt_cache
 from .proposers import DrafterProposer, LookupProposer, Proposer
 from .response import GenerationResponse
 from .settings import GenerationSettings
-from .steps import ChainStep, Sequence, Step, TreeStep
+from .steps import ChainStep, Sequence, Step, SwitchStep, TreeStep
 from .target import TargetAdapter
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
@@ -44,7 +44,7 @@ def stream_generate(
     *,
     settings: GenerationSettings | None = None,
     prompt_cache: PromptCache | None = None,
-    block_policy: AdaptiveBlock | AdaptiveTree | None = None,
+    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
@@ -119,23 +119,53 @@ def stream_generate(
     proposer: Proposer = Proposer()
     if draft is not None:
         proposer = DrafterProposer(draft, target, prompt_cache.draft, verifier.propose)
-    if settings.tree_budget and settings.prompt_lookup:
+    mixed = chooses_trees(settings, draft, target, prompt_cache, block_policy)
+    if (settings.tree_budget or mixed) and settings.prompt_lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     seq = Sequence(target, prompt_cache, proposer, verifier)
-    step = make_step(seq, settings, draft, block_policy)
+    step = make_step(seq, settings, draft, block_policy, mixed)
     commits = generate_step(seq, step, prompt_ids, max_tokens, set(tokenizer.eos_token_ids))
     return stream(commits, tokenizer, len(prompt_ids))
+
+
+def chooses_trees(
+    settings: GenerationSettings,
+    draft: DFlashDraft | None,
+    target: TargetAdapter,
+    prompt_cache: PromptCache,
+    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None,
+) -> bool:
+    """Whether each cycle chooses between chains and trees (`AdaptiveStrategy`): the default
+    with a drafter (no `block_size`, `tree_budget` or `adaptive` set, no chain or tree policy
+    given) where ranks need not choose alike (not under `mlx.launch`) and the target's caches
+    can keep a tree's path; elsewhere the default is the adaptive chain."""
+    if isinstance(block_policy, AdaptiveStrategy):
+        return True
+    unset = settings.block_size is None and not settings.tree_budget
+    if not (unset and settings.adaptive is None and block_policy is None and draft):
+        return False
+    if draft.config.block_size < 2 or world_group() is not None:
+        return False
+    try:
+        target.check_tree(prompt_cache.target)
+    except ValueError:
+        return False
+    return True
 
 
 def make_step(
     seq: Sequence,
     settings: GenerationSettings,
     draft: DFlashDraft | None,
-    block_policy: AdaptiveBlock | AdaptiveTree | None,
+    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None,
+    mixed: bool = False,
 ) -> Step:
     """The step `settings` ask for, with its size policy when adapting (`block_policy` if
-    given, else the prompt cache's, else a new one), or a one-line ValueError."""
+    given, else the prompt cache's, else a new one), or a one-line ValueError; with `mixed`
+    (`chooses_trees`), chains or trees each cycle."""
     tree_budget, block_size = settings.tree_budget, settings.block_size
+    if mixed:
+        return switch_step(seq, settings, draft, block_policy)
     if draft is None and block_size not in (None, 1):
         raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
     if tree_budget and draft is None and not settings.prompt_lookup:
@@ -170,6 +200,35 @@ def make_step(
     if tree_budget:
         return TreeStep(seq, tree_budget, block_size - 1, policy)
     return ChainStep(seq, block_size, policy)
+
+
+def switch_step(
+    seq: Sequence,
+    settings: GenerationSettings,
+    draft: DFlashDraft,
+    block_policy: AdaptiveStrategy | None,
+) -> SwitchStep:
+    """Chains or trees each cycle, by an `AdaptiveStrategy` for the drafter's block (the given
+    one, else the prompt cache's, else a new one)."""
+    block_size = draft.config.block_size
+    if block_policy is not None:
+        if block_policy.block_size != block_size:
+            raise ValueError(
+                f"the block policy was made for {' '.join(map(str, block_policy.setting))}, "
+                f"not the drafter's block size {block_size}"
+            )
+        if settings.block_size is not None or settings.tree_budget or settings.adaptive:
+            raise ValueError("a policy of chains and trees takes no block size or tree budget")
+        if block_policy.timed != settings.timed:
+            made_for = "greedy decoding" if block_policy.timed else "sampling"
+            raise ValueError(f"the block policy was made for {made_for}: make a new one")
+    kept = block_policy or seq.prompt_cache.block_policy
+    fits = isinstance(kept, AdaptiveStrategy) and kept.block_size == block_size
+    if not fits or kept.timed != settings.timed:
+        kept = settings.new_strategy(block_size)
+    seq.prompt_cache.block_policy = kept
+    chain = ChainStep(seq, block_size, kept)
+    return SwitchStep(chain, TreeStep(seq, kept.tree_budget, block_size - 1, kept), kept)
 
 
 def stream(

@@ -12,7 +12,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from .adaptive import FIXED_CYCLE_COSTS, AdaptiveBlock, AdaptiveTree
+from .adaptive import (
+    FIXED_CYCLE_COSTS,
+    FIXED_TREE_COSTS,
+    AdaptiveBlock,
+    AdaptiveStrategy,
+    AdaptiveTree,
+)
 from .distributed import world_group
 from .sampling import LogitsProcessor, Sampler, Verifier, make_verifier
 
@@ -78,5 +84,17 @@ class GenerationSettings:
             return AdaptiveTree(self.tree_budget)
         if self.timed:
             return AdaptiveBlock(block_size)
-        backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        return AdaptiveBlock(block_size, fixed_costs=FIXED_CYCLE_COSTS[backend])
+        return AdaptiveBlock(block_size, fixed_costs=FIXED_CYCLE_COSTS[backend()])
+
+    def new_strategy(self, block_size: int) -> AdaptiveStrategy:
+        """A fresh choice between chains up to `block_size` and trees, costed by the clock or
+        by the backend's fixed tables (`timed`)."""
+        if self.timed:
+            return AdaptiveStrategy(block_size)
+        fixed = FIXED_CYCLE_COSTS[backend()], FIXED_TREE_COSTS[backend()]
+        return AdaptiveStrategy(block_size, fixed_costs=fixed)
+
+
+def backend() -> str:
+    """The fixed cost tables' key for the default device."""
+    return "cpu" if mx.default_device() == mx.cpu else "gpu"

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveBlock, AdaptiveTree, Cycle
+from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle
 from .prompt_cache import PromptCache
 from .proposers import Proposer
 from .rollback import keep_path
@@ -108,12 +108,23 @@ class PendingChain:
 class ChainStep:
     """Verify [root] + `block_size` - 1 drafts (or the policy's size) as one chain."""
 
-    def __init__(self, seq: Sequence, block_size: int, policy: AdaptiveBlock | None = None):
+    def __init__(
+        self,
+        seq: Sequence,
+        block_size: int,
+        policy: AdaptiveBlock | AdaptiveStrategy | None = None,
+    ):
         self.seq, self.block_size, self.policy = seq, block_size, policy
+        self.next: Step = self  # what launches the cycle a plain step queues (`SwitchStep`)
 
-    def launch(self, root: int | mx.array, remaining: int) -> PendingChain:
+    def launch(
+        self, root: int | mx.array, remaining: int, drafts: int | None = None
+    ) -> PendingChain:
+        """The chain cycle after `root`: `drafts` draft tokens if given, else the policy's."""
         seq = self.seq
-        n = min(self.policy.plan() + 1 if self.policy else self.block_size, remaining)
+        if drafts is None:
+            drafts = self.policy.plan() if self.policy else self.block_size - 1
+        n = min(drafts + 1, remaining)
         root_id = mx.array([root]) if isinstance(root, int) else root
         context = seq.tokens + [root] if seq.verifier.processors else None
         if n > 1:
@@ -138,10 +149,10 @@ class ChainStep:
             seq.target.rollback(seq.cache, 0)
             seq.keep(1)
             seq.tokens.append(pending.root)
-            queued = self.launch(verdict.token[None].astype(mx.int32), remaining - 1)
+            queued = self.next.launch(verdict.token[None].astype(mx.int32), remaining - 1)
         read = read_together([pending.drafts, verdict.accepted, verdict.token], mx.int32)
         drafts, accepted, token = (part.tolist() for part in read)
-        if queued:
+        if isinstance(queued, PendingChain):
             queued.root = token
         if self.policy:
             self.policy.record(Cycle(n - 1, accepted, time.perf_counter() - started))
@@ -174,17 +185,23 @@ class TreeStep:
     forward; commit the path the target's own choices walk down (`tree.py`)."""
 
     def __init__(
-        self, seq: Sequence, budget: int, max_depth: int, policy: AdaptiveTree | None = None
+        self,
+        seq: Sequence,
+        budget: int,
+        max_depth: int,
+        policy: AdaptiveTree | AdaptiveStrategy | None = None,
     ):
         self.seq, self.budget, self.max_depth, self.policy = seq, budget, max_depth, policy
 
-    def launch(self, root: int, remaining: int) -> PendingTree:
+    def launch(self, root: int, remaining: int, budget: int | None = None) -> PendingTree:
+        """The tree cycle after `root`: up to `budget` nodes if given, else the policy's."""
         seq, policy = self.seq, self.policy
-        drafting = not policy or policy.plan() > 0
-        depth = min(self.max_depth if drafting else 0, remaining - 1, self.budget)
+        if budget is None:
+            budget = self.budget if not policy or policy.plan() > 0 else 0
+        depth = min(self.max_depth, remaining - 1, budget)
         tree = Tree([root], [-1], [0])
         if depth > 0:
-            tree = seq.proposer.tree(root, depth, self.budget)
+            tree = seq.proposer.tree(root, depth, budget)
             if policy:
                 tree = tree.first(policy.fit(tree.probabilities()) + 1)
         start = seq.cache[0].offset
@@ -226,5 +243,44 @@ class TreeStep:
         if self.policy:
             probabilities = tree.probabilities()
             seconds = time.perf_counter() - started
-            self.policy.record(Cycle(len(tree) - 1, accepted, seconds, probabilities))
+            self.policy.record(Cycle(len(tree) - 1, accepted, seconds, probabilities, path))
         return Commit(tokens[1:] + [after], logits, accepted, len(tree) - 1)
+
+
+class SwitchStep:
+    """Each cycle a chain or a tree, as the policy plans it (`AdaptiveStrategy`).
+
+    A plain step queues the next cycle on its token while still on the device; a tree
+    planned there waits for that token. A target whose attention refuses its first tree
+    forward (`hooks.tree_attention`) gets that forward undone and chains from then on.
+    """
+
+    def __init__(self, chain: ChainStep, tree: TreeStep, policy: AdaptiveStrategy):
+        self.chain, self.tree, self.policy = chain, tree, policy
+        chain.next = self
+
+    def launch(self, root: int | mx.array, remaining: int) -> PendingChain | PendingTree:
+        plan = self.policy.plan()
+        if not plan.tree:
+            return self.chain.launch(root, remaining, plan.drafts)
+        root = root if isinstance(root, int) else root.item()
+        cache = self.chain.seq.cache
+        start = cache[0].offset
+        try:
+            return self.tree.launch(root, remaining, plan.drafts)
+        except ValueError:
+            if self.policy.tree_weight:
+                raise  # it verified trees before: not the target's refusal
+            self.chain.seq.target.rollback(cache, cache[0].offset - start)
+            self.policy.drop_trees()
+            return self.chain.launch(root, remaining, self.policy.plan().drafts)
+
+    def settle(self, pending: PendingChain | PendingTree, remaining: int, started: float) -> Commit:
+        step = self.tree if isinstance(pending, PendingTree) else self.chain
+        return step.settle(pending, remaining, started)
+
+    def cancel(self, pending: PendingChain | PendingTree) -> None:
+        if isinstance(pending, PendingChain):
+            self.chain.cancel(pending)
+        else:  # a tree a plain step queued: its forward went through the caches
+            self.chain.seq.target.rollback(self.chain.seq.cache, len(pending.tree))

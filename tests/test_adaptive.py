@@ -14,9 +14,12 @@ from test_generate import OracleDraft, run
 import dflash_mlx
 from dflash_mlx.adaptive import (
     FIXED_CYCLE_COSTS,
+    FIXED_TREE_COSTS,
     AdaptiveBlock,
+    AdaptiveStrategy,
     AdaptiveTree,
     Cycle,
+    Plan,
     interpolated_cost,
 )
 
@@ -175,13 +178,16 @@ def test_a_prompt_cache_keeps_its_block_policy(loaded):
     model, tokenizer, draft = loaded("llama-untied-mha")
     prompt = np.random.default_rng(28).integers(4, 300, size=12).tolist()
     cache = dflash_mlx.make_prompt_cache(model, draft)
-    tokens, _ = run(model, draft, tokenizer, prompt, max_tokens=24, prompt_cache=cache)
+    chain = {"adaptive": True}  # the adaptive chain (the default: `AdaptiveStrategy`)
+    tokens, _ = run(model, draft, tokenizer, prompt, max_tokens=24, prompt_cache=cache, **chain)
     kept = cache.block_policy
     assert kept is not None and kept.cycles > 0
     reply = prompt + tokens + [5, 6, 7]  # the next turn of a chat
     expected = reference_greedy(model, reply, 24, set(tokenizer.eos_token_ids))
     cache.block_policy = learned_plain_decoding()
-    tokens, responses = run(model, draft, tokenizer, reply, max_tokens=24, prompt_cache=cache)
+    tokens, responses = run(
+        model, draft, tokenizer, reply, max_tokens=24, prompt_cache=cache, **chain
+    )
     assert tokens == expected
     assert responses[1].proposed == 0  # went on from the policy the cache holds
 
@@ -344,3 +350,216 @@ def test_tree_costs_are_measured_per_size_and_the_first_tree_is_the_largest():
     policy.record(Cycle(0, 0, 1.0, []))
     assert policy.seconds == {9: 2.0, 1: 1.0}
     assert not policy.plan()  # after the root alone was best, plain steps
+
+
+# Chains or trees each cycle (`AdaptiveStrategy`). The synthetic tree is `width` nodes per depth
+# along its best path: the target accepts each next depth with probability `rate`, so a tree of
+# budget b reaches depth b // width (at most 15), and node j * width is its depth-j node.
+
+
+def chain_cycle(rng: random.Random, rates: list[float], n: int) -> int:
+    accepted = 0
+    while accepted < n - 1 and rng.random() < rates[accepted]:
+        accepted += 1
+    return accepted
+
+
+def simulate_strategy(policy, chain_rates, tree, chain_cost, tree_cost, cycles=600, seed=0):
+    """Tokens per unit cost and the plans chosen; `tree` is (rate, width)."""
+    rng, (rate, width) = random.Random(seed), tree
+    tokens = spent = 0.0
+    plans = []
+    for _ in range(cycles):
+        plan = policy.plan()
+        if plan.tree:
+            accepted, cost = 0, tree_cost(plan.drafts + 1)
+            while accepted < min(plan.drafts // width, 15) and rng.random() < rate:
+                accepted += 1
+            path = [width * j for j in range(accepted + 1)]
+            policy.record(Cycle(plan.drafts, accepted, cost, None, path))
+        else:
+            accepted = chain_cycle(rng, chain_rates, plan.drafts + 1)
+            cost = chain_cost(plan.drafts + 1)
+            policy.record(Cycle(plan.drafts, accepted, cost))
+        tokens, spent = tokens + accepted + 1, spent + cost
+        plans.append(plan)
+    return tokens / spent, plans
+
+
+def best_fixed_rate(chain_rates, tree, chain_cost, tree_cost) -> tuple[float, float]:
+    """(the best fixed chain's, the best fixed tree's) expected tokens per unit cost."""
+    rate, width = tree
+    chains = [fixed_rate(chain_rates, chain_cost, n) for n in range(1, 17)]
+    trees = [
+        (1 + sum(rate**j for j in range(1, min(b // width, 15) + 1))) / tree_cost(b + 1)
+        for b in range(2, 17)
+    ]
+    return max(chains), max(trees)
+
+
+def cpu_chain_cost(n: int) -> float:  # this CPU, measured (FIXED_CYCLE_COSTS["cpu"])
+    return interpolated_cost(FIXED_CYCLE_COSTS["cpu"], n)
+
+
+def cpu_tree_cost(positions: int) -> float:  # trees of 6, 8, 12: 1.23, 1.26, 1.35 steps
+    return 1.1 + 0.02 * positions
+
+
+H100_CHAIN = {1: 1.0, 2: 2.45, 16: 2.73}  # steps: the loop at block 1, a 2- and a 16-chain
+H100_TREE = {5: 2.81, 9: 3.26, 17: 3.45, 33: 3.60}  # trees of 4, 8, 16, 32, the same run
+
+
+def h100_chain_cost(n: int) -> float:
+    return interpolated_cost(H100_CHAIN, n)
+
+
+def h100_tree_cost(positions: int) -> float:
+    return max(interpolated_cost(H100_TREE, positions), h100_chain_cost(positions))
+
+
+SHIPPED_TREE = (0.6, 2)  # the shipped drafter's trees with the lookup: τ ≈ 2.1-2.3 at 8 nodes
+STRONG_TREE = (0.9, 1)  # a strong drafter's tree is its chain: its other nodes rarely help
+
+
+def settled_runs(setup, kind, seeds=range(7)):
+    """Per seed: (tokens per unit cost / the best fixed arm's, share of the last 300 of 600
+    cycles whose plan satisfies `kind`)."""
+    best = max(best_fixed_rate(*setup))
+    runs = []
+    for seed in seeds:
+        rate, plans = simulate_strategy(AdaptiveStrategy(16), *setup, seed=seed)
+        runs.append((rate / best, sum(map(kind, plans[-300:])) / 300))
+    return runs
+
+
+def test_strategy_chooses_trees_with_the_shipped_drafter_on_this_cpu():
+    setup = WEAK, SHIPPED_TREE, cpu_chain_cost, cpu_tree_cost
+    chain, tree = best_fixed_rate(*setup)
+    assert tree > 1.25 * chain  # the measured gap: trees of 8 1.66x, the chain 1.31x
+    runs = settled_runs(setup, lambda p: p.tree and 4 <= p.drafts <= 16)
+    assert all(share > 0.8 for _, share in runs)
+    assert np.median([rate for rate, _ in runs]) >= 0.93
+
+
+def test_strategy_keeps_deep_chains_with_a_strong_drafter_on_an_h100():
+    """Trees cost more than the chain there and a strong drafter's chain commits ~8 tokens."""
+    setup = STRONG, STRONG_TREE, h100_chain_cost, h100_tree_cost
+    chain, tree = best_fixed_rate(*setup)
+    assert chain > 1.2 * tree
+    runs = settled_runs(setup, lambda p: not p.tree and p.drafts >= 11)
+    assert np.median([share for _, share in runs]) > 0.8
+    assert np.median([rate for rate, _ in runs]) >= 0.93
+
+
+def test_strategy_decodes_plainly_when_no_draft_is_accepted():
+    setup = NEVER, (0.0, 1), cpu_chain_cost, cpu_tree_cost
+    for rate, share in settled_runs(setup, lambda p: p == Plan(0), seeds=[0]):
+        assert share > 0.9 and rate >= 0.95
+
+
+def test_strategy_measures_every_smaller_arm_from_one_cycle():
+    policy = AdaptiveStrategy(16, tree_budget=8)
+    assert policy.plan() == Plan(8, tree=True)  # nothing measured: the largest tree first
+    policy.record(Cycle(8, 3, 2.0, None, [0, 2, 5, 7]))
+    assert policy.plan() == Plan(15)  # then the full chain
+    policy.record(Cycle(15, 4, 3.2))
+    trees = {b.drafts: policy.expected_tokens(b) for b in policy.arms(tree=True)}
+    assert trees == {2: 2.0, 3: 2.0, 4: 2.0, 5: 3.0, 6: 3.0, 8: 4.0}
+    chains = {p.drafts + 1: policy.expected_tokens(p) for p in policy.arms(tree=False)}
+    assert chains == {
+        1: 1.0,
+        2: 2.0,
+        3: 3.0,
+        4: 4.0,
+        5: 5.0,
+        6: 5.0,
+        8: 5.0,
+        10: 5.0,
+        12: 5.0,
+        16: 5.0,
+    }
+    assert policy.cost(Plan(8, tree=True)) == 2.0
+    assert policy.cost(Plan(12, tree=True)) == pytest.approx(3.2 * 13 / 16)  # its chain's
+
+
+def test_a_sampling_strategy_ignores_the_clock():
+    fixed = FIXED_CYCLE_COSTS["cpu"], FIXED_TREE_COSTS["cpu"]
+    chosen = []
+    for timing in (lambda n: 1.0, lambda n: 1e-3 * n**3):
+        policy = AdaptiveStrategy(16, fixed_costs=fixed)
+        _, plans = simulate_strategy(policy, WEAK, SHIPPED_TREE, timing, timing, cycles=200)
+        chosen.append(plans)
+    assert chosen[0] == chosen[1]
+    assert sum(p.tree for p in chosen[0][-100:]) > 80  # trees: cheaper per token here
+
+
+class RandomStrategy(AdaptiveStrategy):
+    """Any chain or tree, plain steps among them (so trees get queued after them): the output
+    must not care."""
+
+    def __init__(self, block_size: int, seed: int):
+        super().__init__(block_size)
+        self.rng = random.Random(seed)
+
+    def plan(self) -> Plan:
+        return self.rng.choice(self.arms())
+
+
+@pytest.mark.parametrize("name", ["llama-untied-mha", "qwen3-tied-gqa"])
+def test_the_default_chooses_chains_and_trees_and_equals_mlx_lm(loaded, name):
+    model, tokenizer, draft = loaded(name)
+    prompt = np.random.default_rng(30).integers(4, 300, size=12).tolist()
+    expected = reference_greedy(model, prompt, 160, set(tokenizer.eos_token_ids))
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=160, prompt_cache=cache)
+    assert tokens == expected
+    policy = cache.block_policy
+    assert isinstance(policy, AdaptiveStrategy) and policy.timed
+    assert policy.seconds[True] and policy.seconds[False]  # both kinds were timed
+    randomly = RandomStrategy(draft.config.block_size, seed=1)
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=160, block_policy=randomly)
+    assert tokens == expected
+    oracle = OracleDraft(draft, prompt + expected)  # every draft accepted, chain or tree
+    tokens, responses = run(model, oracle, tokenizer, prompt, max_tokens=160)
+    assert tokens == expected
+    assert len(tokens) / len(responses) > 4
+
+
+def test_a_strategy_carries_over_between_generations(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(31).integers(4, 300, size=12).tolist()
+    expected = reference_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
+    policy = AdaptiveStrategy(draft.config.block_size)
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, block_policy=policy)
+    assert tokens == expected and policy.cycles == len(responses) - 1
+    cycles = policy.cycles
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, block_policy=policy)
+    assert tokens == expected and policy.cycles == cycles + len(responses) - 1
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    cache.block_policy = policy  # a prompt cache goes on from the policy it holds
+    tokens, responses = run(model, draft, tokenizer, prompt, max_tokens=40, prompt_cache=cache)
+    assert tokens == expected and cache.block_policy is policy
+    with pytest.raises(ValueError, match="takes no block size or tree budget"):
+        run(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, block_policy=policy)
+    with pytest.raises(ValueError, match="made for greedy decoding: make a new one"):
+        run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0, block_policy=policy)
+
+
+def test_explicit_settings_keep_their_meaning(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(32).integers(4, 300, size=12).tolist()
+    for setting, kind in [
+        ({"adaptive": True}, AdaptiveBlock),  # the adaptive chain
+        ({"block_size": 8, "adaptive": True}, AdaptiveBlock),
+        ({"tree_budget": 4, "adaptive": True}, AdaptiveTree),
+        ({"temperature": 1.0}, AdaptiveStrategy),  # sampled: fixed costs
+    ]:
+        cache = dflash_mlx.make_prompt_cache(model, draft)
+        run(model, draft, tokenizer, prompt, max_tokens=12, prompt_cache=cache, **setting)
+        assert type(cache.block_policy) is kind
+    for setting in ({"adaptive": False}, {"block_size": 8}, {"tree_budget": 4}):
+        cache = dflash_mlx.make_prompt_cache(model, draft)
+        _, responses = run(
+            model, draft, tokenizer, prompt, max_tokens=12, prompt_cache=cache, **setting
+        )
+        assert cache.block_policy is None  # fixed
