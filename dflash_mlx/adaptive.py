@@ -412,6 +412,8 @@ class AdaptiveStrategy:
         chains, trees = self.arms(False), self.arms(True)
         if self.cycles < 2 * self.explore and trees:
             return (trees, chains)[self.cycles % 2][-1]
+        if not self.seconds[False]:
+            return chains[-1]
         best = self.best()
         other = chains if best.tree else trees
         if other and self.weight.get(other[1], 0.0) < self.stale:
@@ -428,6 +430,11 @@ class AdaptiveStrategy:
         i = same.index(best)
         up = (self.probes % 2 or i == 0) and i < len(same) - 1
         return same[i + 1 if up else max(i - 1, 0)]
+
+    @property
+    def trees_measured(self) -> bool:
+        """Whether it has learned from a verified tree."""
+        return any(w for p, w in self.weight.items() if p.tree)
 
     def fit(self, probabilities: list[float]) -> int:
         """A planned tree is verified whole."""

@@ -269,7 +269,7 @@ class SwitchStep:
         try:
             return self.tree.launch(root, remaining, plan.drafts)
         except ValueError:
-            if self.policy.tree_weight:
+            if self.policy.trees_measured:
                 raise  # it verified trees before: not the target's refusal
             self.chain.seq.target.rollback(cache, cache[0].offset - start)
             self.policy.drop_trees()

@@ -210,11 +210,14 @@ def test_tree_greedy_equals_mlx_lm(family, tokenizer, name):
         )
         assert all(r.proposed <= budget for r in responses)
     runner_up = RunnerUpOracle(draft, PROMPT + family(name)[2])
-    chain_tokens, chain = run(model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
+    chain_tokens, chain = run(
+        model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS, adaptive=True
+    )
     tree_tokens, tree = run(
         model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS, tree_budget=32
     )
-    assert chain_tokens == tree_tokens == expected
+    default_tokens, _ = run(model, runner_up, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
+    assert chain_tokens == tree_tokens == default_tokens == expected
     assert tau(chain) == 1.0 and tau(tree) > 2.0
 
 
@@ -325,6 +328,15 @@ def test_families_whose_caches_cannot_keep_a_path_are_refused(family, tokenizer,
     model, draft, _ = family(name)
     with pytest.raises(ValueError, match=f"'{name}'.*its recurrent layers cannot keep"):
         next(stream_generate(model, draft, tokenizer, PROMPT, tree_budget=4))
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_the_default_keeps_the_chain_where_trees_cannot_be_verified(family, tokenizer, name):
+    model, draft, expected = family(name)
+    cache = make_prompt_cache(model, draft)
+    tokens, _ = run(model, draft, tokenizer, PROMPT, max_tokens=48, prompt_cache=cache)
+    assert tokens == expected[:48]
+    assert isinstance(cache.block_policy, AdaptiveBlock)  # silently: the adaptive chain
 
 
 def test_bad_tree_settings_are_refused(loaded):
@@ -452,6 +464,8 @@ def test_a_model_that_does_not_take_the_tree_mask_is_refused(tokenizer):
     draft = init_draft(model, num_layers=1, block_size=4)
     with pytest.raises(ValueError, match="'llama'.*did not take the tree's positions and mask"):
         list(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=8, tree_budget=4))
-    assert run(model, draft, tokenizer, PROMPT, max_tokens=8)[0] == reference_greedy(
-        model, PROMPT, 8, set()
-    )  # the chain still works: the hooks were removed
+    cache = make_prompt_cache(model, draft)
+    tokens, _ = run(model, draft, tokenizer, PROMPT, max_tokens=24, prompt_cache=cache)
+    assert tokens == reference_greedy(model, PROMPT, 24, set())  # the hooks were removed
+    assert cache.block_policy.tree_budget == 0  # the default's first tree undone: chains
+    assert all(c.offset == len(cache.tokens) for c in cache.target)
