@@ -5,7 +5,8 @@ size in `--sizes` and with the adaptive choice (`adaptive.py`) run one after the
 other in one process (each after a short warm-up), so a burst of load on this
 shared machine hits all variants alike. Reports decode tok/s relative to mlx-lm,
 τ, a cycle's cost in mlx-lm decoding steps (τ / speedup), and the block sizes
-the adaptive policy chose. `--trees` adds tree verification at those budgets,
+the adaptive policy chose; "default" is the library's default, chains or trees chosen
+per cycle (`AdaptiveStrategy`). `--trees` adds tree verification at those budgets,
 `--adaptive-trees` trees of those largest budgets sized per cycle (`AdaptiveTree`),
 `--trees-without-lookup` trees of those budgets without the prompt lookup's chain
 (`lookup.py`), `--lookup-only` no drafter: plain decoding through the loop and the prompt
@@ -18,6 +19,7 @@ lookup's chain alone up to those depths.
     python benchmarks/block_size.py --sizes 16 --trees 4,8 --adaptive-trees 16
     python benchmarks/block_size.py --sizes "" --trees 6,8 --trees-without-lookup 6,8,12
     python benchmarks/block_size.py --sizes "" --trees 6 --lookup-only 4,8
+    python benchmarks/block_size.py --sizes "" --trees 8 --category coding --limit 14
 """
 
 from __future__ import annotations
@@ -38,11 +40,24 @@ import mlx_lm
 from long_context import long_prompt
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
+from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle
 from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
 from dflash_mlx.gguf import smollm2_model_dir
+
+
+class CountingStrategy(AdaptiveStrategy):
+    """The default's policy, counting the chains ("chain-n") and trees ("tree-b") it played."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.played: Counter[str] = Counter()
+
+    def record(self, cycle: Cycle) -> None:
+        tree = cycle.path is not None
+        self.played[f"tree-{cycle.proposed}" if tree else f"chain-{cycle.proposed + 1}"] += 1
+        super().record(cycle)
 
 
 def main() -> None:
@@ -65,6 +80,7 @@ def main() -> None:
         "--limit", type=int, default=6, help="prompts: the demo's, then the suite's"
     )
     parser.add_argument("--context", type=int, help="long prompts of about this many tokens")
+    parser.add_argument("--category", help="the suite's prompts of this category only, e.g. coding")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", help="JSON results")
     args = parser.parse_args()
@@ -76,6 +92,9 @@ def main() -> None:
         draft = load_draft(args.draft)
     if args.context:
         texts = [long_prompt(tokenizer, args.context)] * args.limit
+    elif args.category:
+        suite = load_prompts(PROMPTS_FILE)
+        texts = [p["prompt"] for p in suite if p["category"] == args.category]
     else:
         texts = [DEFAULT_PROMPT] + [p["prompt"] for p in load_prompts(PROMPTS_FILE)]
     prompts = [render(tokenizer, t, chat=True) for t in texts[: args.limit]]
@@ -84,11 +103,12 @@ def main() -> None:
     sized = [f"tree-{n}-adaptive" for n in args.adaptive_trees.split(",") if n]
     bare = [f"tree-{n}-no-lookup" for n in args.trees_without_lookup.split(",") if n]
     alone = [f"lookup-{n}" for n in args.lookup_only.split(",") if n]
-    variants = ["mlx-lm", *map(str, sizes), "adaptive", *trees, *sized, *bare]
+    variants = ["mlx-lm", "default", *map(str, sizes), "adaptive", *trees, *sized, *bare]
     variants += ["no-draft", *alone] if alone else []
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     # one policy for the whole run, as `dflash-mlx bench`, chat and serve keep theirs
     adapting = {"adaptive": True, "block_policy": AdaptiveBlock(draft.config.block_size)}
+    default = {"block_policy": CountingStrategy(draft.config.block_size)}
     tree_policies = {v: AdaptiveTree(int(v.split("-")[1])) for v in sized}
 
     def generate(variant: str, ids: list[int], n: int):
@@ -103,6 +123,8 @@ def main() -> None:
             )
         if variant == "adaptive":
             setting = adapting
+        elif variant == "default":
+            setting = default
         elif variant in tree_policies:
             budget = tree_policies[variant].max_budget
             setting = {
@@ -132,6 +154,7 @@ def main() -> None:
                 tau[variant].append((len(run.tokens) - 1) / max(len(run.cycles), 1))
             if variant == "adaptive":
                 chosen.update(proposed + 1 for _, _, proposed in run.cycles)
+
             if variant in tree_policies:
                 budgets[variant].update(proposed for _, _, proposed in run.cycles)
         print(
@@ -167,6 +190,9 @@ def main() -> None:
         )
     share = {n: round(c / sum(chosen.values()), 3) for n, c in sorted(chosen.items())}
     print(f"adaptive block sizes (share of cycles): {share}")
+    counts = default["block_policy"].played
+    shares = {k: round(c / sum(counts.values()), 3) for k, c in sorted(counts.items())}
+    print(f"default: chains and trees played (share of cycles, warm-ups included): {shares}")
     for v, counts in budgets.items():
         shares = {b: round(c / sum(counts.values()), 3) for b, c in sorted(counts.items())}
         print(f"{v} tree sizes (share of cycles, 0: a plain step): {shares}")

@@ -1,5 +1,5 @@
-"""Choosing each cycle's block size (`AdaptiveBlock`), or tree size (`AdaptiveTree`), by
-measured cost.
+"""Choosing each cycle's block size (`AdaptiveBlock`), tree size (`AdaptiveTree`), or
+either, chain or tree (`AdaptiveStrategy`, the library's default), by measured cost.
 
 Both are size policies with one protocol: `plan()` before a cycle says how many
 draft tokens it may propose (0: a plain step), `record(Cycle)` after it says what

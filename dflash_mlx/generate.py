@@ -61,19 +61,22 @@ def stream_generate(
     target's own sample (also the rule for a custom `sampler`).
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
     pass the whole conversation as `prompt`; only the new part is prefilled.
-    `adaptive` picks each cycle's block size, up to `block_size`, to maximise
-    the expected tokens per second from the acceptance and cycle times measured
-    so far (block 1 when drafting does not pay; see `adaptive.py`); it is on by
-    default when no `block_size` is given. The output is the same either way,
-    but which random draws a sampled cycle consumes depends on its size, so a
-    sampled run costs the sizes from a fixed per-backend table instead of the
-    clock: a seeded sampled run stays reproducible. So does every run under
-    `mlx.launch`, where all ranks must choose the same sizes (trees there never
-    adapt).
-    `block_policy` (an `AdaptiveBlock` for this block size, or an `AdaptiveTree`
-    for this tree budget) keeps what adapting learned: pass the same one to
-    successive calls with one target and drafter so that each starts from the
-    last (a `prompt_cache` carries its own).
+    By default (no `block_size`, `tree_budget` or `adaptive`) each cycle is a
+    chain of any block size up to the drafter's or a tree of up to 16 nodes with
+    the prompt lookup, whichever is expected to commit the most tokens per second
+    from the acceptance and cycle times measured so far (`AdaptiveStrategy`); a
+    target that cannot verify trees, or ranks under `mlx.launch`, get the adaptive
+    chain. `adaptive=True` is that chain: each cycle's block size, up to
+    `block_size`, chosen the same way (block 1 when drafting does not pay; see
+    `adaptive.py`). The output is the same either way, but which random draws a
+    sampled cycle consumes depends on its shape, so a sampled run costs chains
+    and trees from fixed per-backend tables instead of the clock: a seeded
+    sampled run stays reproducible. So does every run under `mlx.launch`, where
+    all ranks must choose the same sizes (trees there never adapt).
+    `block_policy` (an `AdaptiveStrategy` or `AdaptiveBlock` for this block size,
+    or an `AdaptiveTree` for this tree budget) keeps what adapting learned: pass
+    the same one to successive calls with one target and drafter so that each
+    starts from the last (a `prompt_cache` carries its own).
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).

@@ -55,8 +55,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument(
         "--tree-budget",
         type=int,
-        help="verify a tree of up to N draft tokens per cycle, --block-size - 1 deep "
-        "(greedy; sampling verifies chains)",
+        help="verify a tree of up to N draft tokens per cycle, --block-size - 1 deep",
     )
     parser.add_argument(
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
@@ -73,10 +72,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
-        help="choose each cycle's block size by cost, up to --block-size or the drafter's "
-        "(default: on without --block-size; sampled runs cost sizes from a fixed table, "
-        "so a --seed reproduces them); with --tree-budget, each tree's size from the "
-        "drafter's confidence (default: off)",
+        help="the adaptive chain: each cycle's block size by cost, up to --block-size or the "
+        "drafter's (without --block-size, --tree-budget or this flag each cycle chooses a "
+        "chain or a tree by cost; sampled runs cost them from fixed tables, so a --seed "
+        "reproduces them); with --tree-budget, each tree's size from the drafter's "
+        "confidence (default: off)",
     )
     parser.add_argument(
         "--acceptance",

@@ -27,8 +27,9 @@ from .sampling import LogitsProcessor, Sampler, Verifier, make_verifier
 class GenerationSettings:
     """`block_size` defaults to the drafter's (1: plain decoding through the same loop);
     `tree_budget` verifies trees of up to that many draft tokens instead of chains;
-    `adaptive` sizes each cycle by measured cost (on by default for chains without a
-    `block_size`); `prompt_lookup` grafts the prompt lookup's chain onto every tree.
+    `adaptive` sizes each cycle by measured cost; with none of the three set, each cycle
+    chooses a chain or a tree by measured cost (`AdaptiveStrategy`); `prompt_lookup`
+    grafts the prompt lookup's chain onto every tree.
     Sampling follows mlx-lm's `make_sampler`; `acceptance` is the rule for sampled
     drafts; `logits_processors` are mlx-lm's."""
 
