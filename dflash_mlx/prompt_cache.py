@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.nn as nn
 
-from .adaptive import AdaptiveBlock, AdaptiveTree
+from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .draft import DFlashDraft
 from .rollback import trim_caches
 from .target import TargetAdapter
@@ -27,7 +27,7 @@ class PromptCache:
     target: list
     draft: list
     tokens: list[int] = field(default_factory=list)
-    block_policy: AdaptiveBlock | AdaptiveTree | None = None
+    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None = None
 
     def reuse(self, prompt: list[int]) -> int:
         """Trim both caches to the longest prefix shared with `prompt`; return its length.
