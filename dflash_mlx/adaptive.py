@@ -351,8 +351,8 @@ class AdaptiveStrategy:
     min_probe_gap: int = 8
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while a plain step is best
-    explore: int = 3  # first cycles: the full chain and the largest tree, this many each
-    stale: float = 0.5  # the other kind's weight below which its largest arm is played again
+    explore: int = 4  # first cycles: the full chain and the largest tree, this many each
+    stale: float = 1.0  # the other kind's weight below which its largest arm is played again
     fixed_costs: tuple[dict[int, float], dict[int, float]] | None = None
     tokens: dict[Plan, float] = field(default_factory=dict)  # decayed sums by arm
     weight: dict[Plan, float] = field(default_factory=dict)
