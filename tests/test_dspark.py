@@ -12,7 +12,7 @@ from helpers import layer_tensors, read_config, reference_greedy
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 
-from dflash_mlx import load_draft, stream_generate
+from dflash_mlx import load_draft, make_prompt_cache, stream_generate
 from dflash_mlx.convert import convert_draft
 from dflash_mlx.dspark import DSparkDraft, confident_length
 from dflash_mlx.sampling import make_logprobs_transform
@@ -229,12 +229,12 @@ def test_greedy_chain_equals_mlx_lm(dspark_pair, loaded, layout):
     model, tokenizer, _ = loaded("qwen3-untied-mha")
     draft = load_draft(dspark_pair(layout)[1])
     expected = reference_greedy(model, PROMPT, 60, set(tokenizer.eos_token_ids))
-    for block_size in (3, None):  # two drafts, and the drafter's own γ + 1
-        tokens, responses = run(
-            model, draft, tokenizer, PROMPT, block_size=block_size, max_tokens=60
-        )
+    # two drafts, and the adaptive chain up to the drafter's own γ + 1
+    for setting, block_size in (({"block_size": 3}, 3), ({"adaptive": True}, GAMMA + 1)):
+        tokens, responses = run(model, draft, tokenizer, PROMPT, max_tokens=60, **setting)
         assert tokens == expected
-        assert max(r.proposed for r in responses) <= (block_size or GAMMA + 1) - 1
+        assert max(r.proposed for r in responses) <= block_size - 1
+    assert run(model, draft, tokenizer, PROMPT, max_tokens=60)[0] == expected  # chains or trees
 
 
 @pytest.mark.parametrize("layout", ["deepspec", "deepspec-dflash", "gated", "speculators"])
@@ -252,6 +252,10 @@ def test_rnn_head_refuses_trees_in_one_line(dspark_pair, loaded):
     draft = load_draft(dspark_pair("rnn")[1])
     with pytest.raises(ValueError, match="rnn Markov head drafts chains"):
         run(model, draft, tokenizer, PROMPT, tree_budget=8, max_tokens=8)
+    cache = make_prompt_cache(model, draft)  # the default: chains from its refused first tree
+    tokens, _ = run(model, draft, tokenizer, PROMPT, max_tokens=24, prompt_cache=cache)
+    assert tokens == reference_greedy(model, PROMPT, 24, set(tokenizer.eos_token_ids))
+    assert cache.block_policy.tree_budget == 0
 
 
 def numpy_walk(draft: DSparkDraft, hidden: mx.array, head: mx.array, root: int):
