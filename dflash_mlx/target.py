@@ -31,6 +31,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from . import backends, hooks
 from .kernels import cuda as cuda_kernels
+from .kernels import metal_quantized
 from .loading import cast_model, load_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 from .swaps import Swap
@@ -211,21 +212,17 @@ class RestrictedHead:
         self.head, self.token_ids, self.ids = head, list(token_ids), mx.array(token_ids)
         self.weights = {n: w[self.ids] for n, w in head.items() if isinstance(w, mx.array)}
         mx.eval(self.weights)
-        self.few_rows = backends.current() == "cuda"  # the drafter's block: 2-16 rows
+        backend = backends.current()  # the drafter's block: 2-16 rows
+        self.few_rows = backend == "cuda"
+        self.metal_rows = backend == "metal" and metal_quantized.few_rows_class(head) is not None
 
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
         w = self.weights
         if self.quantized:
-            out = mx.quantized_matmul(
-                x,
-                w["weight"],
-                scales=w["scales"],
-                biases=w.get("biases"),
-                transpose=True,
-                group_size=self.head.group_size,
-                bits=self.head.bits,
-                mode=self.head.mode,
+            h = self.head
+            out = metal_quantized.quantized_product(
+                x, w, h.group_size, h.bits, h.mode, kernel=self.metal_rows
             )
         elif self.few_rows:
             out = cuda_kernels.times_transposed(x, w["weight"])
@@ -310,6 +307,9 @@ class TargetAdapter:
             plain = cuda_kernels.few_rows_class(self.head) and "bias" not in self.head
             if plain and backends.current() == "cuda":  # the drafter's block: 2-16 rows
                 return FullHead(partial(cuda_kernels.times_transposed, weight=self.head.weight))
+            quantized = metal_quantized.few_rows_class(self.head) and "bias" not in self.head
+            if quantized and backends.current() == "metal":
+                return FullHead(partial(metal_quantized.quantized_linear, self.head))
             return FullHead(self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)
