@@ -5,10 +5,11 @@ and compiled norms and RoPEs), "cuda" (MLX's CUDA backend with this package's
 kernels: the verify-attention kernel and the few-rows products of
 `kernels/cuda.py`), "metal" (Metal with the few-row quantized products of
 `kernels/metal_quantized.py`), or None (DFLASH_MLX_KERNELS=reference on a GPU, or
-Metal whose kernel failed its self-check: mlx-lm's and MLX's code as it is). The target's verify forward
-(`TargetAdapter.forward`) and the drafter's block (`DFlashDraft`) ask here for
-their swaps (`swaps.py`): modules change class while a graph is built, so the
-model code runs unchanged and other models see mlx-lm's classes.
+Metal whose kernel failed its self-check: mlx-lm's and MLX's code as it is). The
+target's verify forward (`TargetAdapter.forward`) and the drafter's block
+(`DFlashDraft`) ask here for their swaps (`swaps.py`): modules change class while
+a graph is built, so the model code runs unchanged and other models see mlx-lm's
+classes.
 
 On the CPU, MLX's `exp` is scalar: over 16 positions and a long context the
 SwiGLUs' and softmaxes' exps are a large part of a verify forward, so the modules

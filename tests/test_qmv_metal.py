@@ -71,9 +71,7 @@ def mlx_cpu_product(config, x, weight):
     """MLX's CPU product of the same values in float32 (its own summation order)."""
     w, scales, biases = weight
     f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
-    return mx.quantized_matmul(
-        f32[0], w, f32[1], f32[2], group_size=config[2], bits=config[1]
-    )
+    return mx.quantized_matmul(f32[0], w, f32[1], f32[2], group_size=config[2], bits=config[1])
 
 
 def close_to_cpu(config, got, x, weight) -> bool:

@@ -176,8 +176,8 @@ def few_rows_class(module: nn.Module) -> type | None:
     if swap is None:
         return None
     depth = module["scales"].shape[-1] * module.group_size
-    biased = "biases" in module
-    return swap if supports_weight(module.bits, module.group_size, module.mode, depth, biased) else None
+    fmt = (module.bits, module.group_size, module.mode, depth, "biases" in module)
+    return swap if supports_weight(*fmt) else None
 
 
 def self_check() -> str | None:
