@@ -11,9 +11,12 @@ import mlx.nn as nn
 import msl_emu
 import numpy as np
 import pytest
+import test_families
+from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import backends, kernels
 from dflash_mlx.kernels import metal_quantized as mq
+from dflash_mlx.target import TargetAdapter
 
 NO_COMPILER = "no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)"
 # Skipped on a developer's machine without clang; under CI=true they run, and fail.
@@ -260,3 +263,36 @@ def test_quantized_layers_take_the_kernel_for_2_to_16_rows(emulated, monkeypatch
             assert mx.array_equal(got, nn.QuantizedLinear.__call__(layer, x))
     assert len(calls) == 2
     assert type(layer) is nn.QuantizedLinear
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # an LM head; a tied quantized embedding
+def test_verify_forward_and_draft_heads_take_the_kernel_on_metal(monkeypatch, name):
+    # The wiring only: MLX's product stands in for the kernel (checked above), so the verify
+    # forward's logits must be exactly those of mlx-lm's forward.
+    fields = dict(test_families.BASE, hidden_size=256, intermediate_size=320, head_dim=64)
+    fields["tie_word_embeddings"] = name == "qwen3"
+    model = test_families.build(name, fields=fields)
+    nn.quantize(model, group_size=64, bits=4)
+    target = TargetAdapter(model)
+    calls = []
+
+    def stand_in(x, w, scales, biases, group_size, bits):
+        calls.append(x.shape)
+        return mx.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(mq, "quantized_rows", stand_in)
+    tokens = mx.arange(16)
+    monkeypatch.setattr(backends, "current", lambda: None)  # mlx-lm's forward as it is
+    want = target.forward(tokens, make_prompt_cache(model))
+    monkeypatch.setattr(backends, "current", lambda: "metal")
+    got = target.forward(tokens, make_prompt_cache(model))
+    swapped = target.verify_swaps(16)
+    assert len(swapped) == 5 * 7 + 1  # every projection of the 5 layers, and the head
+    assert len(calls) == len(swapped) and mx.array_equal(got, want)
+    assert target.verify_swaps(1) == []
+
+    hidden = mx.random.normal((15, 256))
+    calls.clear()
+    assert mx.array_equal(target.draft_head(None)(hidden), target.lm_head(hidden))
+    restricted = target.draft_head([3, 5, 8, 13])
+    assert restricted.rows(hidden).shape == (15, 4) and len(calls) == 2
