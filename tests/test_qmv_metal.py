@@ -4,6 +4,8 @@ it (tests/qmv_one_row.metal), close to MLX's CPU product, and wired into verify 
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -296,3 +298,18 @@ def test_verify_forward_and_draft_heads_take_the_kernel_on_metal(monkeypatch, na
     assert mx.array_equal(target.draft_head(None)(hidden), target.lm_head(hidden))
     restricted = target.draft_head([3, 5, 8, 13])
     assert restricted.rows(hidden).shape == (15, 4) and len(calls) == 2
+
+
+def test_the_benchmark_runs_on_a_mac_and_skips_elsewhere():
+    """benchmarks/metal_quantized.py: on Metal a real (short) run, elsewhere one line, exit 0."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "metal_quantized.py"
+    args = ["--shape", "tiny", "--copies", "1", "--reps", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+        cwd=script.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    if mx.metal.is_available():
+        assert "self-check: every row" in proc.stdout and "down_proj" in proc.stdout
+    else:
+        assert "skipped, needs MLX's Metal backend" in proc.stderr
