@@ -19,8 +19,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import requested_backend
-from .metal import SOURCE_DIR
+from . import metal, requested_backend
 
 SOURCE_FILES = ("quantized_rows.h", "quantized_rows.metal")  # (header, body)
 INPUT_NAMES = ("x", "w", "scales", "biases")
@@ -44,20 +43,12 @@ _self_check: dict[str, str | None] = {}
 
 def load_sources() -> tuple[str, str]:
     """The (header, body) pair handed to mx.fast.metal_kernel."""
-    header, body = ((SOURCE_DIR / name).read_text() for name in SOURCE_FILES)
-    return header, body
+    return metal.read_sources(SOURCE_FILES)
 
 
 def kernel_spec() -> dict:
     """Keyword arguments for mx.fast.metal_kernel that define the kernel."""
-    header, body = load_sources()
-    return dict(
-        name="dflash_quantized_rows",
-        input_names=list(INPUT_NAMES),
-        output_names=["out"],
-        source=body,
-        header=header,
-    )
+    return metal.spec("dflash_quantized_rows", INPUT_NAMES, load_sources())
 
 
 def packs(bits: int, depth: int, n_out: int) -> int:
