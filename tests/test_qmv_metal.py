@@ -68,7 +68,8 @@ def run_one_row_reference(config, x, weight):
     call = mq.kernel_call(x, *weight, config[2], config[1])
     call["template"] = [t for t in call["template"] if t[0] != "ROWS"]
     call["grid"] = (32 * x.shape[0], *call["grid"][1:])
-    spec = dict(mq.kernel_spec(), name="qmv_one_row", source=ONE_ROW_SOURCE)
+    plain = "#include <metal_stdlib>\nusing namespace metal;\n"  # nothing of the kernel's
+    spec = dict(mq.kernel_spec(), name="qmv_one_row", source=ONE_ROW_SOURCE, header=plain)
     return msl_emu.run(**spec, **call)[0].to_mx()
 
 
