@@ -69,23 +69,31 @@ def supports_weight(bits: int, group_size: int, mode: str, depth: int, has_biase
     )
 
 
-def kernel_call(x, w, scales, biases, group_size: int, bits: int) -> dict:
-    """Keyword arguments of one kernel call for x (M, K), M in 1..MAX_ROWS."""
-    rows, depth = x.shape
-    n_out = w.shape[0]
+@cache
+def launch(dtype: mx.Dtype, bits: int, group_size: int, rows: int, depth: int, n_out: int):
+    """(template, grid, threadgroup) of one product: found once per shape, as graph building
+    is on a verify cycle's critical path."""
     template = [
-        ("T", x.dtype),
+        ("T", dtype),
         ("BITS", bits),
         ("GS", group_size),
         ("PACKS", packs(bits, depth, n_out)),
         ("ROWS", rows),
     ]
     threadgroups = -(-n_out // COLUMNS_PER_THREADGROUP)
+    return template, (32, 2 * threadgroups, 1), (32, 2, 1)
+
+
+def kernel_call(x, w, scales, biases, group_size: int, bits: int) -> dict:
+    """Keyword arguments of one kernel call for x (M, K), M in 1..MAX_ROWS."""
+    rows, depth = x.shape
+    n_out = w.shape[0]
+    template, grid, threadgroup = launch(x.dtype, bits, group_size, rows, depth, n_out)
     return dict(
         inputs=[x, w, scales, biases],
         template=template,
-        grid=(32, 2 * threadgroups, 1),
-        threadgroup=(32, 2, 1),
+        grid=grid,
+        threadgroup=threadgroup,
         output_shapes=[(rows, n_out)],
         output_dtypes=[x.dtype],
     )
