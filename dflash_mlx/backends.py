@@ -3,11 +3,13 @@
 `current()` names the backend: "cpu" (MLX's CPU: `cpu_math`'s vectorised exps
 and compiled norms and RoPEs), "cuda" (MLX's CUDA backend with this package's
 kernels: the verify-attention kernel and the few-rows products of
-`kernels/cuda.py`), or None (Metal, or DFLASH_MLX_KERNELS=reference on CUDA:
-mlx-lm's and MLX's code as it is). The target's verify forward
-(`TargetAdapter.forward`) and the drafter's block (`DFlashDraft`) ask here for
-their swaps (`swaps.py`): modules change class while a graph is built, so the
-model code runs unchanged and other models see mlx-lm's classes.
+`kernels/cuda.py`), "metal" (Metal with the few-row quantized products of
+`kernels/metal_quantized.py`), or None (DFLASH_MLX_KERNELS=reference on a GPU, or
+Metal whose kernel failed its self-check: mlx-lm's and MLX's code as it is). The
+target's verify forward (`TargetAdapter.forward`) and the drafter's block
+(`DFlashDraft`) ask here for their swaps (`swaps.py`): modules change class while
+a graph is built, so the model code runs unchanged and other models see mlx-lm's
+classes.
 
 On the CPU, MLX's `exp` is scalar: over 16 positions and a long context the
 SwiGLUs' and softmaxes' exps are a large part of a verify forward, so the modules
@@ -17,7 +19,9 @@ bits from fewer ops). On CUDA, MLX sends 4 or more bf16/fp16 queries to cuDNN,
 whose graphs are cached by shape while every cycle has more keys than the last:
 attention takes the verify kernel, and plain linear layers and the LM head the
 few-rows kernel in place of cuBLAS (measurements: benchmarks/README.md, "cpu_math",
-"Compiled norms and RoPE", "Verify forward on an H100").
+"Compiled norms and RoPE", "Verify forward on an H100"). On Metal, quantized linear layers
+and LM heads take a kernel that reads each packed weight once for 2-16 rows and sums every
+row as MLX's one-row product does, so verify logits equal decoding's bit for bit.
 """
 
 from __future__ import annotations
@@ -33,21 +37,25 @@ from mlx_lm.models.cache import KVCache
 
 from . import cpu_math, few_rows_quantized
 from .kernels import cuda as cuda_kernels
+from .kernels import metal_quantized
 from .swaps import Swap, rebound_class, swapped
 
 PATHS = {
     "cpu": "cpu_math exps, compiled norms and RoPE",
     "cuda": "CUDA verify-attention and few-rows product kernels",
+    "metal": "Metal few-row quantized product kernel",
     None: "mlx-lm's forward",
 }
 
 
 def current() -> str | None:
-    """ "cpu", "cuda" or None: see the module docstring."""
+    """ "cpu", "cuda", "metal" or None: see the module docstring."""
     if mx.default_device() == mx.cpu:
         return "cpu"
     if cuda_kernels.enabled():
         return "cuda"
+    if metal_quantized.enabled():
+        return "metal"
     return None
 
 
@@ -94,20 +102,36 @@ def verify_class(cls: type, backend: str) -> type | None:
     return rebound_class(cls, REPLACEMENTS[backend], TAGS[backend])
 
 
+# The few-row product class a layer takes on each backend that has one (None: keep its own).
+FEW_ROWS_CLASS = {
+    "cpu": few_rows_quantized.few_rows_class,
+    "cuda": cuda_kernels.few_rows_class,
+    "metal": metal_quantized.few_rows_class,
+}
+
+
+# The LM head as the drafter's block (2-16 rows) multiplies by it, per backend (None: MLX's).
+FEW_ROWS_HEAD = {
+    "cpu": few_rows_quantized.head,
+    "cuda": cuda_kernels.few_rows_head,
+    "metal": metal_quantized.few_rows_head,
+}
+
+
 def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) -> list[Swap]:
     """The swaps of a target forward over `positions` on `backend`, for the modules inside
     `modules` (None: another pipeline rank's layer): on the CPU the norms and RoPEs
     (compiled) and, over several positions, SwiGLU, SDPA and the quantized layers and LM head
     (`few_rows_quantized.few_rows_class`); on CUDA, over several positions, SDPA and the linear
-    layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`).
+    layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`); on Metal, over
+    several positions, the quantized ones (`metal_quantized.few_rows_class`).
     """
     several = positions > 1
+    few_rows_class = FEW_ROWS_CLASS.get(backend)
     swaps = []
     for module in filter(None, modules):
         for m in module.modules():
-            if backend == "cuda" and several and (few := cuda_kernels.few_rows_class(m)):
-                swaps.append((m, type(m), few))
-            elif backend == "cpu" and several and (few := few_rows_quantized.few_rows_class(m)):
+            if several and few_rows_class and (few := few_rows_class(m)):
                 swaps.append((m, type(m), few))
             elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
                 swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
@@ -119,7 +143,7 @@ def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) 
 def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
     """The swaps of the drafter's block (2-16 rows) on `backend`: on the CPU its norms and
     RoPEs run compiled and its quantized layers take the few-row product, on CUDA its linear
-    layers (plain or quantized) take a few-rows kernel."""
+    layers (plain or quantized) take a few-rows kernel, on Metal its quantized ones."""
     if backend == "cpu":
         compiled = [
             (m, type(m), cpu_math.COMPILED_CLASSES[type(m)])
@@ -131,6 +155,13 @@ def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:
             (m, type(m), few)
             for m in cuda_kernels.linears(modules)
             if (few := cuda_kernels.few_rows_class(m))
+        ]
+    if backend == "metal":
+        return [
+            (m, type(m), few)
+            for module in modules
+            for m in module.modules()
+            if (few := metal_quantized.few_rows_class(m))
         ]
     return []
 

@@ -32,6 +32,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from . import backends, few_rows_quantized, hooks
 from .kernels import cuda as cuda_kernels
+from .kernels import metal_quantized
 from .loading import cast_model, load_dtype, read_config, resolve_path
 from .rollback import RecurrentCache, WindowKVCache
 from .swaps import Swap
@@ -244,12 +245,17 @@ class RestrictedHead:
         self.head, self.token_ids, self.ids = head, list(token_ids), mx.array(token_ids)
         self.weights = {n: w[self.ids] for n, w in head.items() if isinstance(w, mx.array)}
         mx.eval(self.weights)
-        self.few_rows = backends.current() == "cuda"  # the drafter's block: 2-16 rows
+        backend = backends.current()  # the drafter's block: 2-16 rows
+        self.few_rows = backend == "cuda"
+        self.metal_rows = backend == "metal" and metal_quantized.few_rows_class(head) is not None
 
     def rows(self, x: mx.array) -> mx.array:
         """Logits (..., len(token_ids)): column j is token `token_ids[j]`."""
         w = self.weights
-        if self.quantized:  # MLX's product, or on the CPU over 2+ rows the few-row one
+        if self.quantized and self.metal_rows:
+            h = self.head
+            out = metal_quantized.quantized_product(x, w, h.group_size, h.bits, h.mode)
+        elif self.quantized:  # MLX's product, or on the CPU over 2+ rows the few-row one
             out = few_rows_quantized.quantized_matmul(x, self.head, w)
         elif self.few_rows:
             out = cuda_kernels.times_transposed(x, w["weight"])
@@ -330,11 +336,8 @@ class TargetAdapter:
         to `token_ids` if given. Build it once per generation: the restriction slices the
         weights."""
         if token_ids is None:  # the drafter's block (2-16 rows) takes a few-rows product
-            backend = backends.current()
-            few_rows = (backend == "cuda" and cuda_kernels.few_rows_head(self.head)) or (
-                backend == "cpu" and few_rows_quantized.head(self.head)
-            )
-            return FullHead(few_rows or self.lm_head)
+            few_rows = backends.FEW_ROWS_HEAD.get(backends.current())
+            return FullHead((few_rows and few_rows(self.head)) or self.lm_head)
         if isinstance(self.head, SHARDED_HEADS):  # no rank holds all the rows: mask instead
             outside = mx.full((self.vocab_size,), -mx.inf)
             outside[mx.array(token_ids)] = 0.0

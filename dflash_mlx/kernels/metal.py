@@ -21,10 +21,28 @@ TILE_FLOATS = 2048
 kernel_factory = mx.fast.metal_kernel
 
 
+def read_sources(files: tuple[str, str]) -> tuple[str, str]:
+    """The (header, body) pair of a kernel's two files in SOURCE_DIR."""
+    header, body = ((SOURCE_DIR / name).read_text() for name in files)
+    return header, body
+
+
 def load_sources() -> tuple[str, str]:
     """The (header, body) pair handed to mx.fast.metal_kernel."""
-    header, body = ((SOURCE_DIR / name).read_text() for name in SOURCE_FILES)
-    return header, body
+    return read_sources(SOURCE_FILES)
+
+
+def spec(name: str, input_names, sources: tuple[str, str], **options) -> dict:
+    """Keyword arguments for mx.fast.metal_kernel: one output, `out`."""
+    header, body = sources
+    return dict(
+        name=name,
+        input_names=list(input_names),
+        output_names=["out"],
+        source=body,
+        header=header,
+        **options,
+    )
 
 
 def supports(*arrays: mx.array) -> bool:
@@ -54,15 +72,7 @@ def launch_config(
 
 def kernel_spec() -> dict:
     """Keyword arguments for mx.fast.metal_kernel that define the kernel."""
-    header, body = load_sources()
-    return dict(
-        name="dflash_block_attention",
-        input_names=list(INPUT_NAMES),
-        output_names=["out"],
-        source=body,
-        header=header,
-        ensure_row_contiguous=False,
-    )
+    return spec("dflash_block_attention", INPUT_NAMES, load_sources(), ensure_row_contiguous=False)
 
 
 def kernel_call(queries, ctx_keys, ctx_values, block_keys, block_values, scale: float) -> dict:

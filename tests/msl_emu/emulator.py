@@ -25,7 +25,17 @@ import numpy as np
 
 SHIM_DIR = Path(__file__).parent
 COMPILERS = ("clang++-19", "clang++-20", "clang++-18", "clang++")
-FLAGS = ("-std=c++20", "-O2", "-pthread", "-rtlib=compiler-rt", "-Wno-unknown-attributes")
+# MSL rounds every half and bfloat operation to its type; clang on x86 would by default
+# keep _Float16/__bf16 intermediates in float ("excess precision"), so that is turned off.
+FLAGS = (
+    "-std=c++20",
+    "-O2",
+    "-pthread",
+    "-rtlib=compiler-rt",
+    "-Wno-unknown-attributes",
+    *("-Xclang", "-ffloat16-excess-precision=none"),
+    *("-Xclang", "-fbfloat16-excess-precision=none"),
+)
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX binds smaller inputs in the constant address space
 METAL_ATTRIBUTES = (  # (name, type) in the order MLX appends them
     ("dispatch_quadgroups_per_threadgroup", "uint"),
