@@ -5,7 +5,8 @@
 
 Starts both servers on free ports of 127.0.0.1 on the very same model directory
 (SmolLM2-135M-Instruct imported from its GGUF in float32; `dflash-mlx serve` adds the
-shipped drafter, `mlx_lm.server` batches up to its `--decode-concurrency`, 32 by default),
+shipped drafter, `mlx_lm.server` batches up to its `--decode-concurrency`, 32 by default,
+and runs on the BLAS binding `import dflash_mlx` makes, as `dflash-mlx bench`'s baseline does),
 waits for both, then per client count and round sends the first `--prompts` prompts of
 the bench suite as a burst to one server, then to the other: N threads of the official
 `openai` client, each streaming greedy chat completions (temperature 0, the same
@@ -46,6 +47,10 @@ from dflash_mlx.gguf import SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from dflash_mlx.paths import cache_dir
 
 SERVERS = ("dflash", "mlx-lm")
+# `mlx_lm.server` with `import dflash_mlx` first: the OpenBLAS and few-row kernel binding that
+# `dflash-mlx bench` gives its mlx-lm baseline (same process); without it MLX's bundled
+# reference BLAS makes every mlx-lm step several times slower on Linux.
+MLX_LM_SERVER = "import dflash_mlx; from mlx_lm.server import main; main()"
 STOP_GRACE_S = 15.0
 
 
@@ -159,6 +164,7 @@ def burst(client: OpenAI, prompts: list[dict[str, str]], clients: int, max_token
     finally:  # on Ctrl-C, not waiting for streams that end when the servers are stopped
         pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - start
+    load = os.getloadavg()[0]
     tokens = sum(r.tokens for r in replies)
     ttft = [r.ttft_s for r in replies]
     return {
@@ -168,6 +174,7 @@ def burst(client: OpenAI, prompts: list[dict[str, str]], clients: int, max_token
         "decode_tps_p50": statistics.median(r.decode_tps for r in replies),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),
+        "load_1min": load,  # the machine's 1-minute load average at the burst's end
         "replies": [asdict(r) for r in replies],
     }
 
@@ -226,7 +233,7 @@ def server_commands(args: argparse.Namespace, model: Path, ports: dict[str, int]
             *("--port", str(ports["dflash"]), "--max-queue", str(most), "--log-level", "warning"),
         ],
         "mlx-lm": [
-            *(sys.executable, "-m", "mlx_lm", "server", "--model", str(model)),
+            *(sys.executable, "-c", MLX_LM_SERVER, "--model", str(model)),
             *("--port", str(ports["mlx-lm"]), "--log-level", "WARNING"),
             *("--decode-concurrency", str(max(most, 32))),
         ],
@@ -257,6 +264,9 @@ def main() -> None:
         name: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         for name, port in ports.items()
     }
+    # Ctrl-C (even where a shell started us with SIGINT ignored) and SIGTERM unwind through
+    # the servers' clean-up
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     runs = []
     with ExitStack() as servers:
@@ -272,7 +282,8 @@ def main() -> None:
                     run = burst(clients[name], prompts, n, args.max_tokens)
                     runs.append({"server": name, "clients": n, "round": round_, **run})
                     print(
-                        f"{n} clients, {name}, round {round_}: {run['aggregate_tps']:.1f} tok/s",
+                        f"{n} clients, {name}, round {round_}: {run['aggregate_tps']:.1f} tok/s "
+                        f"(load average {run['load_1min']:.1f})",
                         flush=True,
                     )
     compare(runs)
