@@ -4,6 +4,7 @@ target's tokenizer takes the flag to mlx-lm's tokenizer loader."""
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import mlx_lm.utils
 import pytest
@@ -85,7 +86,8 @@ def test_every_command_that_loads_the_tokenizer_takes_the_flag_to_it(
         raise Reached(tokenizer_config_extra)
 
     monkeypatch.setattr(mlx_lm.utils, "load_tokenizer", tokenizer_loader)
-    monkeypatch.setattr(trainer, "checkpoint_draft", lambda path: (None, 0))  # export's first step
+    drafter = SimpleNamespace(config=SimpleNamespace(is_dflash2=False))  # a DFlash 1 one
+    monkeypatch.setattr(trainer, "checkpoint_draft", lambda path: (drafter, 0))  # export's first
     for name, command in COMMANDS.items():
         argv = command.format(target=remote_target, work=tmp_path).split()
         with pytest.raises(Reached) as reached:
