@@ -142,6 +142,7 @@ def pipeline(model: nn.Module, group: mx.distributed.Group) -> None:
 SUPPORTED_MODEL_TYPES = (
     "gemma4",
     "gemma4_text",
+    "glm_moe_dsa",
     "gpt_oss",
     "kimi_k25",
     "llama",

@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import (
     gemma4,
     gemma4_text,
+    glm_moe_dsa,
     gpt_oss,
     kimi_k25,
     llama,
@@ -26,6 +27,7 @@ from test_generate import OracleDraft
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import (
+    CacheGroup,
     RecurrentCache,
     WindowKVCache,
 )
@@ -90,6 +92,22 @@ DEEPSEEK_V3 = dict(  # MLA attention, MoE from layer 1
     v_head_dim=16,
 )
 GPT_OSS_LAYERS = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+GLM_DSA = dict(  # MLA + a sparse-attention indexer over the last 48 keys; layer 1 dense, 2-4 MoE
+    DEEPSEEK_V3,
+    first_k_dense_replace=2,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=48,
+    routed_scaling_factor=1.0,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    moe_layer_freq=1,
+    attention_bias=False,
+    rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
+)
 
 # model_type -> (mlx-lm module, ModelArgs fields)
 FAMILIES = {
@@ -136,6 +154,7 @@ FAMILIES = {
             rotary_dim=8,
         ),
     ),
+    "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
 }
 
 
@@ -267,6 +286,20 @@ def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, specia
     assert all(8 <= w <= 32 for w in windows)
 
 
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("glm_moe_dsa", {(KVCache, KVCache)}),  # MLA latents and indexer keys in every layer
+    ],
+)
+def test_cache_lists_become_groups_and_taps_span_their_kinds(family, name, kinds):
+    model, draft, _ = family(name)
+    cache = TargetAdapter(model).make_cache()
+    assert all(type(c) is CacheGroup for c in cache)
+    taps = draft.config.target_layer_ids
+    assert {tuple(type(part) for part in cache[i].caches) for i in taps} == kinds
+
+
 def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input(family):
     for name in ("qwen3_5_moe", "kimi_k25", "gemma4"):
         model = family(name)[0]
@@ -363,6 +396,7 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
     [
         ("qwen3_5", False),  # recurrent
         ("gpt_oss", False),  # sliding window
+        ("glm_moe_dsa", True),  # cache groups of plain KV caches
     ],
 )
 def test_prompt_cache_across_turns(family, tokenizer, name, goes_back):

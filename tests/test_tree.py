@@ -41,6 +41,7 @@ TREE_FAMILIES = [
     "gpt_oss",
     "gemma4_text",
     "gemma4",
+    "glm_moe_dsa",
 ]
 RECURRENT = "its recurrent layers cannot keep"
 REFUSED = {  # family: why its attention cannot verify a tree
