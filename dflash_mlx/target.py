@@ -147,6 +147,7 @@ SUPPORTED_MODEL_TYPES = (
     "kimi_k25",
     "llama",
     "minimax",
+    "minimax_m3_vl",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",

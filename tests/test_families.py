@@ -14,6 +14,7 @@ from mlx_lm.models import (
     kimi_k25,
     llama,
     minimax,
+    minimax_m3_vl,
     qwen3,
     qwen3_5,
     qwen3_5_moe,
@@ -92,6 +93,7 @@ DEEPSEEK_V3 = dict(  # MLA attention, MoE from layer 1
     v_head_dim=16,
 )
 GPT_OSS_LAYERS = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+SLIDING, FULL = "sliding_attention", "full_attention"
 GLM_DSA = dict(  # MLA + a sparse-attention indexer over the last 48 keys; layer 1 dense, 2-4 MoE
     DEEPSEEK_V3,
     first_k_dense_replace=2,
@@ -107,6 +109,19 @@ GLM_DSA = dict(  # MLA + a sparse-attention indexer over the last 48 keys; layer
     moe_layer_freq=1,
     attention_bias=False,
     rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
+)
+MINIMAX_M3 = dict(  # block-sparse attention (3 of blocks of 8 keys) but layers 1 and 4
+    BASE,
+    dense_intermediate_size=96,
+    shared_intermediate_size=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    layer_types=["sparse_attention", FULL, "sparse_attention", "sparse_attention", FULL],
+    mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
+    index_n_heads=2,
+    index_head_dim=16,
+    index_block_size=8,
+    index_topk_blocks=3,
 )
 
 # model_type -> (mlx-lm module, ModelArgs fields)
@@ -155,6 +170,7 @@ FAMILIES = {
         ),
     ),
     "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
+    "minimax_m3_vl": (minimax_m3_vl, dict(text_config=MINIMAX_M3)),
 }
 
 
@@ -290,6 +306,7 @@ def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, specia
     "name, kinds",
     [
         ("glm_moe_dsa", {(KVCache, KVCache)}),  # MLA latents and indexer keys in every layer
+        ("minimax_m3_vl", {(KVCache,), (KVCache, KVCache)}),  # dense and block-sparse layers
     ],
 )
 def test_cache_lists_become_groups_and_taps_span_their_kinds(family, name, kinds):
@@ -397,6 +414,7 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
         ("qwen3_5", False),  # recurrent
         ("gpt_oss", False),  # sliding window
         ("glm_moe_dsa", True),  # cache groups of plain KV caches
+        ("minimax_m3_vl", True),
     ],
 )
 def test_prompt_cache_across_turns(family, tokenizer, name, goes_back):

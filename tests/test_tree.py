@@ -48,6 +48,7 @@ REFUSED = {  # family: why its attention cannot verify a tree
     "qwen3_5": RECURRENT,
     "qwen3_5_moe": RECURRENT,
     "qwen3_next": RECURRENT,
+    "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot",
 }
 MAX_TOKENS = 120
 family, tokenizer = test_families.family, test_families.tokenizer  # their fixtures, shared
