@@ -148,6 +148,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama",
     "minimax",
     "minimax_m3_vl",
+    "muse_glimmer",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",

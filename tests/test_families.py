@@ -15,6 +15,7 @@ from mlx_lm.models import (
     llama,
     minimax,
     minimax_m3_vl,
+    muse_glimmer,
     qwen3,
     qwen3_5,
     qwen3_5_moe,
@@ -123,6 +124,12 @@ MINIMAX_M3 = dict(  # block-sparse attention (3 of blocks of 8 keys) but layers 
     index_block_size=8,
     index_topk_blocks=3,
 )
+MUSE_GLIMMER = dict(  # sliding (window 16, RoPE) and global (NoPE) layers
+    BASE,
+    sliding_window=16,
+    post_norm_eps=1e-6,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+)
 
 # model_type -> (mlx-lm module, ModelArgs fields)
 FAMILIES = {
@@ -171,6 +178,7 @@ FAMILIES = {
     ),
     "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
     "minimax_m3_vl": (minimax_m3_vl, dict(text_config=MINIMAX_M3)),
+    "muse_glimmer": (muse_glimmer, MUSE_GLIMMER),
 }
 
 
@@ -289,6 +297,7 @@ def test_oracle_is_fully_accepted_and_every_rollback_depth_is_lossless(family, t
         ("gpt_oss", RotatingKVCache, WindowKVCache),
         ("gemma4_text", RotatingKVCache, WindowKVCache),
         ("gemma4", RotatingKVCache, WindowKVCache),
+        ("muse_glimmer", RotatingKVCache, WindowKVCache),
     ],
 )
 def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, special, ours):
@@ -315,6 +324,14 @@ def test_cache_lists_become_groups_and_taps_span_their_kinds(family, name, kinds
     assert all(type(c) is CacheGroup for c in cache)
     taps = draft.config.target_layer_ids
     assert {tuple(type(part) for part in cache[i].caches) for i in taps} == kinds
+
+
+def test_muse_glimmer_drafter_embeds_as_its_first_layer_sees(family):
+    target = TargetAdapter(family("muse_glimmer")[0])
+    ids = mx.array([[5, 9, 33]])
+    h = target.embed_tokens(ids)
+    assert mx.allclose(h, mx.fast.rms_norm(target.embedding(ids), None, 1e-6))
+    assert mx.allclose((h * h).mean(axis=-1), mx.ones((1, 3)), atol=1e-4)
 
 
 def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input(family):

@@ -42,6 +42,7 @@ TREE_FAMILIES = [
     "gemma4_text",
     "gemma4",
     "glm_moe_dsa",
+    "muse_glimmer",
 ]
 RECURRENT = "its recurrent layers cannot keep"
 REFUSED = {  # family: why its attention cannot verify a tree
