@@ -145,6 +145,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm_moe_dsa",
     "gpt_oss",
     "kimi_k25",
+    "laguna",
     "llama",
     "minimax",
     "minimax_m3_vl",

@@ -12,6 +12,7 @@ from mlx_lm.models import (
     glm_moe_dsa,
     gpt_oss,
     kimi_k25,
+    laguna,
     llama,
     minimax,
     minimax_m3_vl,
@@ -130,6 +131,19 @@ MUSE_GLIMMER = dict(  # sliding (window 16, RoPE) and global (NoPE) layers
     post_norm_eps=1e-6,
     layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
 )
+LAGUNA = dict(  # sliding (window 8) and full layers with their own RoPEs; MoE from layer 1
+    BASE,
+    sliding_window=8,
+    layer_types=[FULL, SLIDING, FULL, SLIDING, SLIDING],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    rope_parameters={
+        FULL: {"rope_theta": 50000.0, "partial_rotary_factor": 0.5},
+        SLIDING: {"rope_theta": 10000.0},
+    },
+)
 
 # model_type -> (mlx-lm module, ModelArgs fields)
 FAMILIES = {
@@ -179,6 +193,7 @@ FAMILIES = {
     "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
     "minimax_m3_vl": (minimax_m3_vl, dict(text_config=MINIMAX_M3)),
     "muse_glimmer": (muse_glimmer, MUSE_GLIMMER),
+    "laguna": (laguna, LAGUNA),
 }
 
 
@@ -298,6 +313,7 @@ def test_oracle_is_fully_accepted_and_every_rollback_depth_is_lossless(family, t
         ("gemma4_text", RotatingKVCache, WindowKVCache),
         ("gemma4", RotatingKVCache, WindowKVCache),
         ("muse_glimmer", RotatingKVCache, WindowKVCache),
+        ("laguna", RotatingKVCache, WindowKVCache),
     ],
 )
 def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, special, ours):

@@ -43,6 +43,7 @@ TREE_FAMILIES = [
     "gemma4",
     "glm_moe_dsa",
     "muse_glimmer",
+    "laguna",
 ]
 RECURRENT = "its recurrent layers cannot keep"
 REFUSED = {  # family: why its attention cannot verify a tree
