@@ -147,6 +147,7 @@ SUPPORTED_MODEL_TYPES = (
     "kimi_k25",
     "laguna",
     "llama",
+    "llama4",
     "minimax",
     "minimax_m3_vl",
     "muse_glimmer",

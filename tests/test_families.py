@@ -14,6 +14,7 @@ from mlx_lm.models import (
     kimi_k25,
     laguna,
     llama,
+    llama4,
     minimax,
     minimax_m3_vl,
     muse_glimmer,
@@ -23,7 +24,7 @@ from mlx_lm.models import (
     qwen3_moe,
     qwen3_next,
 )
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_generate import OracleDraft
 
@@ -31,8 +32,10 @@ from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import (
     CacheGroup,
+    ChunkCache,
     RecurrentCache,
     WindowKVCache,
+    trim_caches,
 )
 from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
 
@@ -125,6 +128,19 @@ MINIMAX_M3 = dict(  # block-sparse attention (3 of blocks of 8 keys) but layers 
     index_block_size=8,
     index_topk_blocks=3,
 )
+LLAMA4 = dict(  # chunks of 8 positions; layer 3 global (NoPE); odd layers MoE
+    BASE,
+    model_type="llama4_text",
+    num_hidden_layers=6,
+    attention_bias=False,
+    attention_chunk_size=8,
+    interleave_moe_layer_step=2,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    rope_scaling=None,
+    use_qk_norm=True,
+)
 MUSE_GLIMMER = dict(  # sliding (window 16, RoPE) and global (NoPE) layers
     BASE,
     sliding_window=16,
@@ -192,6 +208,7 @@ FAMILIES = {
     ),
     "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
     "minimax_m3_vl": (minimax_m3_vl, dict(text_config=MINIMAX_M3)),
+    "llama4": (llama4, dict(text_config=LLAMA4)),
     "muse_glimmer": (muse_glimmer, MUSE_GLIMMER),
     "laguna": (laguna, LAGUNA),
 }
@@ -314,6 +331,7 @@ def test_oracle_is_fully_accepted_and_every_rollback_depth_is_lossless(family, t
         ("gemma4", RotatingKVCache, WindowKVCache),
         ("muse_glimmer", RotatingKVCache, WindowKVCache),
         ("laguna", RotatingKVCache, WindowKVCache),
+        ("llama4", ChunkedKVCache, ChunkCache),
     ],
 )
 def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, special, ours):
@@ -348,6 +366,16 @@ def test_muse_glimmer_drafter_embeds_as_its_first_layer_sees(family):
     h = target.embed_tokens(ids)
     assert mx.allclose(h, mx.fast.rms_norm(target.embedding(ids), None, 1e-6))
     assert mx.allclose((h * h).mean(axis=-1), mx.ones((1, 3)), atol=1e-4)
+
+
+def test_chunked_cache_goes_back_only_while_its_chunk_is_held():
+    cache = ChunkCache(chunk_size=8)
+    keys = mx.zeros((1, 1, 21, 4))
+    cache.update_and_fetch(keys, keys)
+    cache.maybe_trim_front()  # as llama4 does before a forward: holds positions 13..20
+    assert cache.start_position == 13
+    assert cache.can_trim(4) and not cache.can_trim(6)  # 17 is in the chunk of 16; 15 is not
+    assert trim_caches([cache], 15) == 0 and cache.offset == 0
 
 
 def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input(family):
@@ -446,6 +474,7 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
     [
         ("qwen3_5", False),  # recurrent
         ("gpt_oss", False),  # sliding window
+        ("llama4", False),  # chunked
         ("glm_moe_dsa", True),  # cache groups of plain KV caches
         ("minimax_m3_vl", True),
     ],

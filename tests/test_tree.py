@@ -50,6 +50,7 @@ REFUSED = {  # family: why its attention cannot verify a tree
     "qwen3_5": RECURRENT,
     "qwen3_5_moe": RECURRENT,
     "qwen3_next": RECURRENT,
+    "llama4": "its chunked attention builds its mask from positions",
     "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot",
 }
 MAX_TOKENS = 120
