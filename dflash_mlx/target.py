@@ -140,6 +140,7 @@ def pipeline(model: nn.Module, group: mx.distributed.Group) -> None:
 # mlx-lm model modules (the model_type a checkpoint loads into, after mlx-lm's remapping such as
 # minimax_m2 -> minimax) proven lossless on tiny random configs (tests/test_families.py).
 SUPPORTED_MODEL_TYPES = (
+    "deepseek_v41",
     "gemma4",
     "gemma4_text",
     "glm_moe_dsa",

@@ -7,6 +7,7 @@ import pytest
 from helpers import reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import (
+    deepseek_v41,
     gemma4,
     gemma4_text,
     glm_moe_dsa,
@@ -30,9 +31,11 @@ from test_generate import OracleDraft
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.hooks import feature
 from dflash_mlx.rollback import (
     CacheGroup,
     ChunkCache,
+    CompressedWindowCache,
     RecurrentCache,
     WindowKVCache,
     trim_caches,
@@ -160,6 +163,29 @@ LAGUNA = dict(  # sliding (window 8) and full layers with their own RoPEs; MoE f
         SLIDING: {"rope_theta": 10000.0},
     },
 )
+DEEPSEEK_V41 = dict(  # hyper-connections (4 streams); window 8; groups of 4 positions compressed
+    BASE,  # by layers 0 and 3, their index keys scored by 0, 2 and 3 (candidate blocks from 0);
+    num_hidden_layers=6,  # 1 and 5 window only
+    head_dim=32,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    o_groups=2,
+    o_lora_rank=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    compress_ratios=[4, 0, 4, 4, 4, 0],
+    kv_source_layer_ids=[0, 3],
+    index_source_layer_ids=[0, 2, 3],
+    candidate_source_layer_id=0,
+    candidate_topk_blocks=3,
+    candidate_block_size=2,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=4,
+    hc_sinkhorn_iters=3,  # published: 20; 3 normalise alike at a fraction of the CPU time
+)
 
 # model_type -> (mlx-lm module, ModelArgs fields)
 FAMILIES = {
@@ -211,6 +237,7 @@ FAMILIES = {
     "llama4": (llama4, dict(text_config=LLAMA4)),
     "muse_glimmer": (muse_glimmer, MUSE_GLIMMER),
     "laguna": (laguna, LAGUNA),
+    "deepseek_v41": (deepseek_v41, DEEPSEEK_V41),
 }
 
 
@@ -360,12 +387,55 @@ def test_cache_lists_become_groups_and_taps_span_their_kinds(family, name, kinds
     assert {tuple(type(part) for part in cache[i].caches) for i in taps} == kinds
 
 
+def test_deepseek_v41_caches_and_taps_span_window_and_compressed_layers(family):
+    model, draft, _ = family("deepseek_v41")
+    target = TargetAdapter(model)
+    assert all(type(c) is CompressedWindowCache for c in target.make_cache())
+    taps = draft.config.target_layer_ids
+    assert {hasattr(model.layers[i].self_attn, "compressor") for i in taps} == {True, False}
+    assert target.checkpointed == [model.layers[i].self_attn.compressor for i in (0, 3)]
+
+
+def test_a_multi_stream_layer_is_captured_as_the_mean_of_its_streams(family):
+    model, _, _ = family("deepseek_v41")
+    streams = mx.random.normal((1, 3, 4, 64))
+    assert mx.array_equal(feature((streams, mx.zeros((1, 3, 4)))), streams.mean(axis=2))
+    target, cache = TargetAdapter(model), TargetAdapter(model).make_cache()
+    with target.capture([1], cache) as sink:
+        model(mx.array(PROMPT)[None], cache=cache)
+    assert sink[1].shape == (1, len(PROMPT), 64)
+    assert not mx.allclose(sink[1], model.model.embed_tokens(mx.array(PROMPT)[None]))
+
+
 def test_muse_glimmer_drafter_embeds_as_its_first_layer_sees(family):
     target = TargetAdapter(family("muse_glimmer")[0])
     ids = mx.array([[5, 9, 33]])
     h = target.embed_tokens(ids)
     assert mx.allclose(h, mx.fast.rms_norm(target.embedding(ids), None, 1e-6))
     assert mx.allclose((h * h).mean(axis=-1), mx.ones((1, 3)), atol=1e-4)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 5, 7])
+def test_compressed_cache_rollback_equals_the_cache_of_the_kept_positions(family, accepted):
+    """A block that crosses two group boundaries (groups of 4), rolled back to every kind of
+    place: the window, the compressed groups, their index keys and the open group's rows
+    equal those of a plain forward over the kept positions."""
+    model, _, expected = family("deepseek_v41")
+    target = TargetAdapter(model)
+    block = expected[:8]  # from position 21: closes the groups at 24 and 28
+    cache, reference = target.make_cache(), target.make_cache()
+    with target.capture([], cache):
+        model(mx.array(PROMPT)[None], cache=cache)
+        target.rollback(cache, 0)
+        model(mx.array(block)[None], cache=cache)
+        target.rollback(cache, len(block) - accepted - 1)
+    model(mx.array(PROMPT + block[: accepted + 1])[None], cache=reference)
+    for ours, plain in zip(cache, reference):
+        assert ours.offset == plain.offset == len(PROMPT) + accepted + 1
+        for a, b in zip(ours.state[:-1], plain.state[:-1]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4), (a.shape, b.shape)
 
 
 def test_chunked_cache_goes_back_only_while_its_chunk_is_held():
@@ -475,6 +545,7 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
         ("qwen3_5", False),  # recurrent
         ("gpt_oss", False),  # sliding window
         ("llama4", False),  # chunked
+        ("deepseek_v41", False),  # sliding window, compressed groups
         ("glm_moe_dsa", True),  # cache groups of plain KV caches
         ("minimax_m3_vl", True),
     ],

@@ -52,6 +52,7 @@ REFUSED = {  # family: why its attention cannot verify a tree
     "qwen3_next": RECURRENT,
     "llama4": "its chunked attention builds its mask from positions",
     "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot",
+    "deepseek_v41": "its compressed sparse attention picks its keys from positions",
 }
 MAX_TOKENS = 120
 family, tokenizer = test_families.family, test_families.tokenizer  # their fixtures, shared
