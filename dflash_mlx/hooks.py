@@ -1,16 +1,16 @@
 """Per-instance hooks on the target while a reply is generated (`swaps.py`): capturing
 the hidden states of chosen layers, and tree forwards.
 
-Capture (`capture`): each tapped layer object gets a subclass of its own class
-whose `__call__` records the output (lazily: the layer outputs are kept as
-unevaluated arrays of the same graph, so capturing costs no extra evaluation), and
-each recurrent mixer (the module a recurrent cache is passed to: a GatedDeltaNet,
-short convolution or Mamba mixer) one whose `__call__` checkpoints that cache; both
-get their classes back when the capture ends. No mlx-lm class is modified, so other
-models see mlx-lm unchanged. A model is captured by one generation at a time (a
-second is refused); forwards through caches other than the capture's (mlx-lm's own
-decoding of the same model) are not recorded. When the layers are split over
-pipeline ranks, `PipelineSink` gathers the tapped layers to every rank.
+Capture (`capture`): each tapped layer object, and each module whose cache a
+rollback re-runs (a recurrent layer, deepseek_v41's compressor), gets a subclass of
+its own class whose `__call__` records the output (lazily: the layer outputs are
+kept as unevaluated arrays of the same graph, so capturing costs no extra
+evaluation) and checkpoints those caches (`rollback.CHECKPOINTED`), and gets its
+class back when the capture ends. No mlx-lm class is modified, so other models see
+mlx-lm unchanged. A model is captured by one generation at a time (a second is
+refused); forwards through caches other than the capture's (mlx-lm's own decoding
+of the same model) are not recorded. When the layers are split over pipeline
+ranks, `PipelineSink` gathers the tapped layers to every rank.
 
 Tree forwards (`tree_attention`) swap the classes of the caches and RoPE modules
 the same way, for that one forward.
@@ -30,39 +30,51 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from . import backends, cpu_math
-from .rollback import RecurrentCache, WindowKVCache
+from .rollback import CHECKPOINTED, WindowKVCache, cache_parts
 from .swaps import swap_in, swap_out, swapped
 
 _HOOKED_CLASSES: dict[type, type] = {}
+_HOOK_ATTRIBUTES = ("_dflash_sink", "_dflash_index", "_dflash_caches", "_dflash_checkpoints")
 HOOKING = Lock()  # makes "is a layer hooked? then hook it" one step across threads
 
 
 def _hooked_class(cls: type) -> type:
-    """A subclass of `cls` that checkpoints the recurrent cache it is passed (a recurrent
-    mixer) or records its output (a tapped layer); `__call__` keeps `cls`'s signature."""
+    """A subclass of `cls` that checkpoints the caches it is passed and records its output."""
     if cls not in _HOOKED_CLASSES:
 
         @wraps(cls.__call__)
         def __call__(self, *args, **kwargs):
             passed = (*args, *kwargs.values())
-            for c in passed:
-                if self._dflash_replays and isinstance(c, RecurrentCache):
+            for c in passed if self._dflash_checkpoints else ():
+                if isinstance(c, CHECKPOINTED):
                     c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
             out = cls.__call__(self, *args, **kwargs)
             foreign = self._dflash_caches is not None and any(
                 isinstance(c, _BaseCache) and id(c) not in self._dflash_caches for c in passed
             )
             if self._dflash_sink is not None and not foreign:
-                self._dflash_sink[self._dflash_index] = out[0] if isinstance(out, tuple) else out
+                self._dflash_sink[self._dflash_index] = feature(out)
             return out
 
         _HOOKED_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
     return _HOOKED_CLASSES[cls]
 
 
-def _replay(cls: type, mixer: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> None:
-    """Re-run `mixer` (unhooked) on the first positions of the input it last saw."""
-    cls.__call__(mixer, args[0][:, :num_positions], *args[1:], **kwargs)
+def feature(out: mx.array | tuple) -> mx.array:
+    """The hidden state a drafter reads from a layer's output (B, L, hidden).
+
+    A layer with several residual streams (hyper-connections, deepseek_v41:
+    (B, L, streams, hidden), first of a tuple) gives the mean over its streams:
+    the auxiliary hidden state that vLLM's and ROCm ATOM's DeepSeek-V4 DSpark and
+    DFlash paths hand the drafter, so what its published drafters were trained on.
+    """
+    h = out[0] if isinstance(out, tuple) else out
+    return h.mean(axis=2) if h.ndim == 4 else h
+
+
+def _replay(cls: type, module: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> Any:
+    """Re-run `module` (unhooked) on the first positions of the input it last saw."""
+    return cls.__call__(module, args[0][:, :num_positions], *args[1:], **kwargs)
 
 
 class PipelineSink(dict):
@@ -108,13 +120,17 @@ class TreeForward:
     roped: set[int] = field(default_factory=set)
     masked: bool = False
 
-    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array:
+    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array | None:
         """(n, offset - start + n) over the cached positions [start, offset) and the nodes:
         every node sees the committed positions and its ancestors, those within `window`
-        positions of its own if a window is given."""
+        positions of its own if a window is given. None for a lone root, which sees all the
+        cache returns, as mlx-lm's own one-position forward (whose attention may take no
+        mask then: deepseek_v32's sparse path)."""
         if n != self.visible.shape[0]:
             raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
         self.masked = True
+        if n == 1:
+            return None
         if window is None:
             context, visible = mx.ones((n, offset - start), dtype=mx.bool_), self.visible
         else:
@@ -181,7 +197,7 @@ def tree_attention(
     is refused after the forward, before anything is read from it.
     """
     tree = TreeForward(cache[0].offset + mx.array(depths), visible)
-    objects = [*cache, *ropes]
+    objects = [*cache_parts(cache), *ropes]
     for obj in objects:
         object.__setattr__(obj, "_dflash_tree", tree)
     try:
@@ -201,42 +217,44 @@ def tree_attention(
 def capture(
     layers: list[nn.Module | None],
     layer_ids: list[int],
-    recurrent: list[nn.Module],
+    checkpointed: list[nn.Module],
     cache: list[Any] | None = None,
     pipelined: nn.Module | None = None,
 ) -> Iterator[dict[Any, mx.array]]:
-    """Record the outputs of `layers[i]` for i in `layer_ids` on every forward while the
-    context is open, and checkpoint the caches passed to the `recurrent` mixers so that a
-    rollback can re-run them on the committed prefix. With `cache`, a forward through other
-    caches is not recorded. `pipelined`: the backbone, when the layers are split over
-    pipeline ranks (None in `layers`: another rank's). A second capture of the same
-    layers while one is open raises RuntimeError.
+    """Record the outputs (`feature`) of `layers[i]` for i in `layer_ids` on every forward
+    while the context is open, and have the `checkpointed` modules checkpoint the caches
+    they are passed so that a rollback can re-run the committed prefix. With `cache`, a
+    forward through other caches is not recorded. `pipelined`: the backbone, when the
+    layers are split over pipeline ranks (None in `layers`: another rank's). A second
+    capture of the same layers while one is open raises RuntimeError.
     """
     sink: dict[Any, mx.array] = PipelineSink(layer_ids) if pipelined is not None else {}
-    tapped = set(layer_ids)
     caches = None if cache is None else {id(c) for c in cache}
     with HOOKING:
-        if any(type(m) in _HOOKED_CLASSES.values() for m in [*layers, *recurrent]):
+        if any(type(m) in _HOOKED_CLASSES.values() for m in [*layers, *checkpointed]):
             raise RuntimeError(
                 "this model is already being generated with (in another thread or another "
                 "open generator); run one generation per model at a time"
             )
-        hooks = [(i, layers[i]) for i in sorted(tapped)]
+        recorded = [(i, layers[i]) for i in sorted(set(layer_ids))]
         if pipelined is not None:  # its output: after the forward's collectives on every rank
-            hooks.append((PipelineSink.OUTPUT, pipelined))
-        hooks = [(i, m) for i, m in hooks if m is not None]  # None: another rank's layer
-        hooks += [(None, mixer) for mixer in recurrent]
-        for i, module in hooks:
-            object.__setattr__(module, "_dflash_sink", None if i is None else sink)
-            object.__setattr__(module, "_dflash_index", i)
-            object.__setattr__(module, "_dflash_caches", caches)
-            object.__setattr__(module, "_dflash_replays", i is None)
-        hooked = swap_in([(m, type(m), _hooked_class(type(m))) for _, m in hooks])
+            recorded.append((PipelineSink.OUTPUT, pipelined))
+        hooks = {id(m): (i, m) for i, m in recorded if m is not None}  # None: another rank's
+        for module in checkpointed:
+            hooks.setdefault(id(module), (None, module))
+        hooks = list(hooks.values())
+        checkpointing = {id(m) for m in checkpointed}
+        for i, layer in hooks:
+            object.__setattr__(layer, "_dflash_checkpoints", id(layer) in checkpointing)
+            object.__setattr__(layer, "_dflash_sink", None if i is None else sink)
+            object.__setattr__(layer, "_dflash_index", i)
+            object.__setattr__(layer, "_dflash_caches", caches)
+        hooked = swap_in([(layer, type(layer), _hooked_class(type(layer))) for _, layer in hooks])
     try:
         yield sink
     finally:
         with HOOKING:
             swap_out(hooked)
-            for _, module in hooks:
-                for name in ("_dflash_sink", "_dflash_index", "_dflash_caches", "_dflash_replays"):
-                    object.__delattr__(module, name)
+            for _, layer in hooks:
+                for name in _HOOK_ATTRIBUTES:
+                    object.__delattr__(layer, name)

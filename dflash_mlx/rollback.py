@@ -1,6 +1,6 @@
 """Target caches that can drop the rejected tail of a verified block.
 
-mlx-lm's `KVCache` is trimmed by moving its offset back. Two other cache kinds
+mlx-lm's `KVCache` is trimmed by moving its offset back. Other cache kinds
 cannot be, and are replaced by the classes here when the target's cache is made:
 
 - `WindowKVCache` for sliding-window layers (mlx-lm's `RotatingKVCache`
@@ -9,8 +9,16 @@ cannot be, and are replaced by the classes here when the target's cache is made:
 - `RecurrentCache` for recurrent layers (GatedDeltaNet, short-convolution or
   Mamba state in an `ArraysCache`): the state after the last committed token exists only
   inside the verify forward.
+- `ChunkCache` for chunked-attention layers (llama4's `ChunkedKVCache` drops
+  the front of its chunk before each forward and clamps a longer trim
+  silently, so a prompt cache could keep a wrong offset).
+- `CacheGroup` for a layer's several caches (mlx-lm's `CacheList`: MLA latents
+  beside sparse-attention index keys), which has no offset of its own.
+- `CompressedWindowCache` for deepseek_v41's layer cache (sliding window,
+  compressed KV groups, their index keys and the rows of the open group): a
+  group that a rejected draft closed must be opened again.
 
-Both follow mlx-lm's cache protocol, so the model code runs unchanged.
+All follow mlx-lm's cache protocol, so the model code runs unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, _BaseCache
+from mlx_lm.models.deepseek_v41 import LayerCache
 
 
 class WindowKVCache(_BaseCache):
@@ -175,6 +184,148 @@ class RecurrentCache(ArraysCache):
         return n
 
 
+class ChunkCache(ChunkedKVCache):
+    """Chunked attention's keys/values (llama4), trimmable as far as its chunk is held.
+
+    Before each forward mlx-lm keeps the last `chunk_size` positions, so after a
+    forward the cache holds at least the committed positions of the chunk of the
+    forward's first position, and a rollback into the forward keeps the chunk
+    of every later query. Going back further (a prompt cache's shorter prefix)
+    is allowed only while the new position's chunk is still wholly held; mlx-lm's
+    own `trim` would clamp it silently.
+    """
+
+    def can_trim(self, n: int) -> bool:
+        end = self.offset - n
+        return n == self.offset or self.start_position <= end - end % self.chunk_size
+
+    def trim(self, n: int) -> int:
+        if not self.can_trim(n):
+            raise ValueError(
+                f"chunked cache holds positions {self.start_position}..{self.offset - 1}: "
+                f"cannot go back {n} positions"
+            )
+        if n == self.offset:
+            self.keys = self.values = None
+            self.offset = self.start_position = 0
+            return n
+        return super().trim(n)
+
+
+class CacheGroup(CacheList):
+    """One layer's several caches (mlx-lm's `CacheList`), each trimmed alike, with the
+    offset of the first: MLA latents and the sparse-attention indexer's keys."""
+
+    @property
+    def offset(self) -> int:
+        return self.caches[0].offset
+
+    def can_trim(self, n: int) -> bool:
+        return all(_can_trim(c, n) for c in self.caches)
+
+    def trim(self, n: int) -> int:
+        for c in self.caches:
+            c.trim(n)
+        return n
+
+
+class CompressedWindowCache(LayerCache):
+    """deepseek_v41's layer cache, trimmable into its last forward.
+
+    mlx-lm's `LayerCache` holds the sliding window's last rows, the compressed
+    KV of every closed group of `ratio` positions (with their indexer keys) and
+    the rows of the open group. Here the window keeps the forward's rows beside
+    the `window_size` before it (`window` shows the model its last
+    `window_size`, as mlx-lm's), and the layer's compressor checkpoints the
+    compressed state before each forward (`checkpoint`, from the hook that
+    `hooks.capture` puts on it). `trim(n)` drops the window's last n rows,
+    restores the checkpoint and re-runs the compressor on the forward's kept
+    positions: that rebuilds the open group's rows, and the groups it closes
+    keep the forward's own entries (a group's entry depends on its rows only).
+    """
+
+    kind = "compressed-attention"
+
+    def __init__(self, window_size: int):
+        super().__init__(window_size)  # its `window = None` empties `rows`
+        self._checkpoint: tuple[tuple, int, int, Replay] | None = None
+
+    @property
+    def window(self) -> mx.array | None:
+        return None if self.rows is None else self.rows[:, -self.window_size :]
+
+    @window.setter
+    def window(self, rows: mx.array | None) -> None:
+        self.rows = rows
+
+    def update_window(self, kv: mx.array) -> mx.array:
+        """The window with `kv` appended; all of it is kept until the next trim."""
+        window = kv if self.rows is None else mx.concatenate([self.window, kv], axis=1)
+        self.rows = window
+        self.offset += kv.shape[1]
+        return window
+
+    def checkpoint(self, num_positions: int, replay: Replay) -> None:
+        """Remember the compressed state before this forward and how to re-run a prefix."""
+        state = (self.compress_kv, self.index_k, self.pending_kv, self.pending_gate)
+        self._checkpoint = (state, self.offset, num_positions, replay)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def can_trim(self, n: int) -> bool:
+        if n in (0, self.offset):
+            return True
+        held = 0 if self.rows is None else self.rows.shape[1]
+        if n > held - min(self.window_size, self.offset - n):
+            return False  # the window would lose rows a query still sees
+        if self._checkpoint is None:  # a layer that compresses nothing has no state to undo
+            return self.compress_kv is None and self.pending_kv is None
+        _, offset, num_positions, _ = self._checkpoint
+        return n <= num_positions and self.offset == offset
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` positions; `trim(0)` just ends the last forward's checkpoint."""
+        if n == self.offset and n:
+            self.__init__(self.window_size)
+            return n
+        if not self.can_trim(n):
+            raise ValueError(
+                "a compressed-attention cache can only be rolled back into its last forward "
+                f"({self.offset} positions held, {n} to drop)"
+            )
+        if n:
+            self.offset -= n
+            self.rows = self.rows[:, : self.rows.shape[1] - n]
+            if self._checkpoint is not None:
+                self._reopen(n)
+        self._checkpoint = None
+        return n
+
+    def _reopen(self, n: int) -> None:
+        """The compressed state after the forward's first positions but the last `n`."""
+        state, _, num_positions, replay = self._checkpoint
+        entries, keys = self.compress_kv, self.index_k
+        self.compress_kv, self.index_k, self.pending_kv, self.pending_gate = state
+        if num_positions == n:
+            return
+        closed, _ = replay(num_positions - n)  # sets the open group's rows
+        if closed is None:
+            return
+        kept = closed.shape[1] + (0 if state[0] is None else state[0].shape[1])
+        self.compress_kv = entries[:, :kept]
+        if keys is not None:  # an index key per entry
+            self.index_k = keys[:, :kept]
+
+
+CHECKPOINTED = (RecurrentCache, CompressedWindowCache)  # caches rolled back by a re-run
+
+
+def cache_parts(caches: list[Any]) -> list[Any]:
+    """The caches with each `CacheGroup` replaced by its own caches."""
+    return [part for c in caches for part in getattr(c, "caches", [c])]
+
+
 def trim_caches(caches: list[Any], length: int) -> int:
     """Trim every cache to `length` positions; if one cannot go back that far, empty all.
 
@@ -200,10 +351,10 @@ def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
     The K/V of tree node `nodes[i]` (at start + nodes[i]) moves to start + i and
     everything after the path is dropped, so the caches hold what a plain
     forward over the path's tokens would have written. KVCaches and
-    WindowKVCaches (whose arrays begin at position `cache.start`).
+    WindowKVCaches (whose arrays begin at position `cache.start`), also in a CacheGroup.
     """
     kept = len(nodes)
-    for c in caches:
+    for c in cache_parts(caches):
         first = start - getattr(c, "start", 0)  # the tree's first node in the arrays
         if nodes != list(range(kept)):  # the path is not already in front
             index = mx.array(nodes) + first

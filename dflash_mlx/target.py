@@ -2,10 +2,11 @@
 
 `TargetAdapter` finds the layer list, embedding and LM head of an mlx-lm model
 (also inside multimodal wrappers), makes and rolls back the target's caches
-(sliding-window and recurrent layers get the caches of `rollback.py`), runs the
+(the cache kinds a trim cannot roll back get the caches of `rollback.py`), runs the
 verify forward with the backend's swaps (`backends.py`), and opens the per-instance
 hooks that capture hidden states and make tree forwards (`hooks.py`). Families
-share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`).
+share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`,
+`NORMALISED_EMBEDDINGS`, `TREE_REFUSALS`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedL
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import (
     ArraysCache,
+    CacheList,
+    ChunkedKVCache,
     KVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
+from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -34,7 +38,14 @@ from . import backends, few_rows_quantized, hooks
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
 from .loading import cast_model, load_dtype, read_config, resolve_path
-from .rollback import RecurrentCache, WindowKVCache
+from .rollback import (
+    CacheGroup,
+    ChunkCache,
+    CompressedWindowCache,
+    RecurrentCache,
+    WindowKVCache,
+    cache_parts,
+)
 from .swaps import Swap
 
 TARGET_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -153,15 +164,21 @@ def pipeline(model: nn.Module, group: mx.distributed.Group) -> None:
 # mlx-lm model modules (the model_type a checkpoint loads into, after mlx-lm's remapping such as
 # minimax_m2 -> minimax) proven lossless on tiny random configs (tests/test_families.py).
 SUPPORTED_MODEL_TYPES = (
+    "deepseek_v41",
     "gemma4",
     "gemma4_text",
+    "glm_moe_dsa",
     "gpt_oss",
     "kimi_k25",
     "kimi_k3",
+    "laguna",
     "lfm2",
     "lfm2_moe",
     "llama",
+    "llama4",
     "minimax",
+    "minimax_m3_vl",
+    "muse_glimmer",
     "nemotron_h",
     "qwen3",
     "qwen3_5",
@@ -175,6 +192,22 @@ SCALED_EMBEDDINGS = ("gemma4", "gemma4_text")
 # What backbones call their token embedding (nemotron_h: `embeddings`) and their last norm.
 EMBEDDINGS = ("embed_tokens", "embeddings")
 FINAL_NORMS = ("norm", "norm_f", "embedding_norm")
+# Backbones that RMS-normalise the embeddings (no weight) before the first layer; the drafter
+# embeds its block as that layer sees it.
+NORMALISED_EMBEDDINGS = ("muse_glimmer",)
+# Why a family's (or a cache kind's) attention cannot verify a tree: it does not take the
+# tree's positions and mask through the cache and RoPE modules `hooks.tree_attention` swaps.
+TREE_REFUSALS = {
+    RecurrentCache: "its recurrent layers cannot keep just the accepted path of a tree",
+    ChunkCache: "its chunked attention builds its mask from positions, not from the cache",
+    CompressedWindowCache: "its compressed sparse attention picks its keys from positions, "
+    "not through the cache's mask",
+    "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot, and a tree's nodes "
+    "do not sit in their path's slots",
+}
+# Submodules (by name) that extend their layer's cache by what a trim cannot drop: hooked to
+# checkpoint the cache, so that a rollback re-runs them on the kept positions.
+CHECKPOINTED_MODULES = ("compressor",)
 SUPPORTED = (
     f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}; "
     "other models whose layers all use a plain KVCache are expected to work."
@@ -293,6 +326,7 @@ class TargetAdapter:
             self.layer_offset, self.pipelined = backbone.start_idx, True
         self.embedding = next(backbone[name] for name in EMBEDDINGS if name in backbone)
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
+        self.embed_norm_eps = backbone.embed_eps if self.family in NORMALISED_EMBEDDINGS else None
         self.head = owner.lm_head if "lm_head" in owner else self.embedding
         self.lm_head = self.head if "lm_head" in owner else self.embedding.as_linear
         if isinstance(self.head, SHARDED_HEADS):  # each rank holds a slice of the vocabulary
@@ -329,6 +363,8 @@ class TargetAdapter:
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """What the target's first layer sees for `tokens` (the drafter embeds its block so)."""
         h = self.embedding(tokens)
+        if self.embed_norm_eps is not None:
+            h = mx.fast.rms_norm(h, None, self.embed_norm_eps)
         return h if self.embed_scale is None else h * self.embed_scale
 
     def draft_head(self, token_ids: list[int] | None) -> FullHead | RestrictedHead:
@@ -367,6 +403,12 @@ class TargetAdapter:
                 return WindowKVCache(cache.max_size)
             if type(cache) is ArraysCache:
                 return RecurrentCache(len(cache.cache))
+            if type(cache) is ChunkedKVCache:
+                return ChunkCache(cache.chunk_size)
+            if type(cache) is CacheList:
+                return CacheGroup(*map(self._rollbackable, cache.caches))
+            if type(cache) is LayerCache:
+                return CompressedWindowCache(cache.window_size)
         raise ValueError(
             f"target model type '{self.model_type}' is not supported: its "
             f"{type(cache).__name__} cannot be rolled back after a rejected draft. {SUPPORTED}"
@@ -393,18 +435,21 @@ class TargetAdapter:
 
     def check_tree(self, cache: list[Any]) -> None:
         """Raise a one-line ValueError when this model's caches or attention cannot verify trees."""
-        other = next((c for c in cache if not isinstance(c, KVCache | WindowKVCache)), None)
+        other = next(
+            (c for c in cache_parts(cache) if not isinstance(c, KVCache | WindowKVCache)), None
+        )
+        reason = TREE_REFUSALS.get(self.family)
         if other is not None:
-            kind = "recurrent" if isinstance(other, RecurrentCache) else type(other).__name__
-            raise ValueError(
-                f"tree verification does not support target model type '{self.model_type}': "
-                f"its {kind} layers cannot keep just the accepted path of a tree; "
-                "use the chain (no --tree-budget)"
+            reason = TREE_REFUSALS.get(
+                type(other),
+                f"its {type(other).__name__} layers cannot keep just the accepted path of a tree",
             )
-        if not self.ropes:
+        elif not self.ropes:
+            reason = "its attention has no `rope` module to give tree nodes their positions"
+        if reason:
             raise ValueError(
                 f"tree verification does not support target model type '{self.model_type}': "
-                "its attention has no `rope` module to give tree nodes their positions"
+                f"{reason}; use the chain (no --tree-budget)"
             )
 
     @contextmanager
@@ -419,11 +464,22 @@ class TargetAdapter:
         self, layer_ids: list[int], cache: list[Any] | None = None
     ) -> Iterator[dict[int, mx.array]]:
         """Record the outputs of `layer_ids` on every forward while the context is open
-        (`hooks.capture`); with `cache`, only forwards through those caches. The mixers
-        given a recurrent cache are hooked too, to checkpoint it for `rollback`."""
+        (`hooks.capture`); with `cache`, only forwards through those caches. The modules
+        of `checkpointed` are hooked too, to checkpoint their caches for `rollback`."""
         backbone = self.backbone if self.pipelined else None
-        with hooks.capture(self.layers, layer_ids, self.recurrent_mixers, cache, backbone) as sink:
+        with hooks.capture(self.layers, layer_ids, self.checkpointed, cache, backbone) as sink:
             yield sink
+
+    @cached_property
+    def checkpointed(self) -> list[nn.Module]:
+        """The modules a rollback re-runs: the mixers given a recurrent cache
+        (`recurrent_mixers`) and the `CHECKPOINTED_MODULES` inside layers."""
+        found = list(self.recurrent_mixers)
+        for layer in filter(None, self.layers):
+            for name, module in layer.named_modules():
+                if name.rpartition(".")[2] in CHECKPOINTED_MODULES:
+                    found.append(module)
+        return found
 
     @cached_property
     def recurrent_mixers(self) -> list[nn.Module]:

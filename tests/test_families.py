@@ -7,25 +7,39 @@ import pytest
 from helpers import reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import (
+    deepseek_v41,
     gemma4,
     gemma4_text,
+    glm_moe_dsa,
     gpt_oss,
     kimi_k25,
+    laguna,
     llama,
+    llama4,
     minimax,
+    minimax_m3_vl,
+    muse_glimmer,
     qwen3,
     qwen3_5,
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
 )
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_generate import OracleDraft
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.rollback import RecurrentCache, WindowKVCache
+from dflash_mlx.hooks import feature
+from dflash_mlx.rollback import (
+    CacheGroup,
+    ChunkCache,
+    CompressedWindowCache,
+    RecurrentCache,
+    WindowKVCache,
+    trim_caches,
+)
 from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
 
 VOCAB = 320  # the tiny tokenizer's 300 tokens + padded rows
@@ -87,6 +101,91 @@ DEEPSEEK_V3 = dict(  # MLA attention, MoE from layer 1
     v_head_dim=16,
 )
 GPT_OSS_LAYERS = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+SLIDING, FULL = "sliding_attention", "full_attention"
+GLM_DSA = dict(  # MLA + a sparse-attention indexer over the last 48 keys; layer 1 dense, 2-4 MoE
+    DEEPSEEK_V3,
+    first_k_dense_replace=2,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=48,
+    routed_scaling_factor=1.0,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    moe_layer_freq=1,
+    attention_bias=False,
+    rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
+)
+MINIMAX_M3 = dict(  # block-sparse attention (3 of blocks of 8 keys) but layers 1 and 4
+    BASE,
+    dense_intermediate_size=96,
+    shared_intermediate_size=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    layer_types=["sparse_attention", FULL, "sparse_attention", "sparse_attention", FULL],
+    mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
+    index_n_heads=2,
+    index_head_dim=16,
+    index_block_size=8,
+    index_topk_blocks=3,
+)
+LLAMA4 = dict(  # chunks of 8 positions; layer 3 global (NoPE); odd layers MoE
+    BASE,
+    model_type="llama4_text",
+    num_hidden_layers=6,
+    attention_bias=False,
+    attention_chunk_size=8,
+    interleave_moe_layer_step=2,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    rope_scaling=None,
+    use_qk_norm=True,
+)
+MUSE_GLIMMER = dict(  # sliding (window 16, RoPE) and global (NoPE) layers
+    BASE,
+    sliding_window=16,
+    post_norm_eps=1e-6,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+)
+LAGUNA = dict(  # sliding (window 8) and full layers with their own RoPEs; MoE from layer 1
+    BASE,
+    sliding_window=8,
+    layer_types=[FULL, SLIDING, FULL, SLIDING, SLIDING],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    rope_parameters={
+        FULL: {"rope_theta": 50000.0, "partial_rotary_factor": 0.5},
+        SLIDING: {"rope_theta": 10000.0},
+    },
+)
+DEEPSEEK_V41 = dict(  # hyper-connections (4 streams); window 8; groups of 4 positions compressed
+    BASE,  # by layers 0 and 3, their index keys scored by 0, 2 and 3 (candidate blocks from 0);
+    num_hidden_layers=6,  # 1 and 5 window only
+    head_dim=32,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    o_groups=2,
+    o_lora_rank=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    compress_ratios=[4, 0, 4, 4, 4, 0],
+    kv_source_layer_ids=[0, 3],
+    index_source_layer_ids=[0, 2, 3],
+    candidate_source_layer_id=0,
+    candidate_topk_blocks=3,
+    candidate_block_size=2,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=4,
+    hc_sinkhorn_iters=3,  # published: 20; 3 normalise alike at a fraction of the CPU time
+)
 
 # model_type -> (mlx-lm module, ModelArgs fields)
 FAMILIES = {
@@ -133,21 +232,36 @@ FAMILIES = {
             rotary_dim=8,
         ),
     ),
+    "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
+    "minimax_m3_vl": (minimax_m3_vl, dict(text_config=MINIMAX_M3)),
+    "llama4": (llama4, dict(text_config=LLAMA4)),
+    "muse_glimmer": (muse_glimmer, MUSE_GLIMMER),
+    "laguna": (laguna, LAGUNA),
+    "deepseek_v41": (deepseek_v41, DEEPSEEK_V41),
 }
 
 
 def build(name: str, seed: int = 0, fields: dict | None = None, families: dict = FAMILIES):
     """The mlx-lm Model for a family of `families` (`fields` replace its ModelArgs), with a
     larger-than-default init (as helpers.save_target) so the tiny random model has peaked,
-    non-degenerate outputs."""
+    non-degenerate outputs. Matrices mlx-lm starts at zero (routers, hyper-connection mixes)
+    get random values too, so that every path is exercised."""
     module, default_fields = families[name]
     fields = default_fields if fields is None else fields
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict({"model_type": name, **fields}))
     params = tree_flatten(model.parameters())
-    model.load_weights([(k, v * 4.0 if v.ndim >= 2 else v) for k, v in params])
+    model.load_weights([(k, _scaled(v)) for k, v in params])
     mx.eval(model.parameters())
     return model
+
+
+def _scaled(v: mx.array) -> mx.array:
+    if v.ndim < 2:
+        return v
+    if not mx.any(v).item():
+        return mx.random.uniform(-1.0, 1.0, v.shape) * 4.0 / v.shape[-1] ** 0.5
+    return v * 4.0
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -248,6 +362,9 @@ def test_oracle_is_fully_accepted_and_every_rollback_depth_is_lossless(family, t
         ("gpt_oss", RotatingKVCache, WindowKVCache),
         ("gemma4_text", RotatingKVCache, WindowKVCache),
         ("gemma4", RotatingKVCache, WindowKVCache),
+        ("muse_glimmer", RotatingKVCache, WindowKVCache),
+        ("laguna", RotatingKVCache, WindowKVCache),
+        ("llama4", ChunkedKVCache, ChunkCache),
     ],
 )
 def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, special, ours):
@@ -259,6 +376,82 @@ def test_caches_are_replaced_and_taps_span_both_layer_kinds(family, name, specia
     assert tapped == {ours, KVCache}
     windows = {c.max_size for c in native if type(c) is RotatingKVCache}
     assert all(8 <= w <= 32 for w in windows)
+
+
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("glm_moe_dsa", {(KVCache, KVCache)}),  # MLA latents and indexer keys in every layer
+        ("minimax_m3_vl", {(KVCache,), (KVCache, KVCache)}),  # dense and block-sparse layers
+    ],
+)
+def test_cache_lists_become_groups_and_taps_span_their_kinds(family, name, kinds):
+    model, draft, _ = family(name)
+    cache = TargetAdapter(model).make_cache()
+    assert all(type(c) is CacheGroup for c in cache)
+    taps = draft.config.target_layer_ids
+    assert {tuple(type(part) for part in cache[i].caches) for i in taps} == kinds
+
+
+def test_deepseek_v41_caches_and_taps_span_window_and_compressed_layers(family):
+    model, draft, _ = family("deepseek_v41")
+    target = TargetAdapter(model)
+    assert all(type(c) is CompressedWindowCache for c in target.make_cache())
+    taps = draft.config.target_layer_ids
+    assert {hasattr(model.layers[i].self_attn, "compressor") for i in taps} == {True, False}
+    assert target.checkpointed == [model.layers[i].self_attn.compressor for i in (0, 3)]
+
+
+def test_a_multi_stream_layer_is_captured_as_the_mean_of_its_streams(family):
+    model, _, _ = family("deepseek_v41")
+    streams = mx.random.normal((1, 3, 4, 64))
+    assert mx.array_equal(feature((streams, mx.zeros((1, 3, 4)))), streams.mean(axis=2))
+    target, cache = TargetAdapter(model), TargetAdapter(model).make_cache()
+    with target.capture([1], cache) as sink:
+        model(mx.array(PROMPT)[None], cache=cache)
+    assert sink[1].shape == (1, len(PROMPT), 64)
+    assert not mx.allclose(sink[1], model.model.embed_tokens(mx.array(PROMPT)[None]))
+
+
+def test_muse_glimmer_drafter_embeds_as_its_first_layer_sees(family):
+    target = TargetAdapter(family("muse_glimmer")[0])
+    ids = mx.array([[5, 9, 33]])
+    h = target.embed_tokens(ids)
+    assert mx.allclose(h, mx.fast.rms_norm(target.embedding(ids), None, 1e-6))
+    assert mx.allclose((h * h).mean(axis=-1), mx.ones((1, 3)), atol=1e-4)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 5, 7])
+def test_compressed_cache_rollback_equals_the_cache_of_the_kept_positions(family, accepted):
+    """A block that crosses two group boundaries (groups of 4), rolled back to every kind of
+    place: the window, the compressed groups, their index keys and the open group's rows
+    equal those of a plain forward over the kept positions."""
+    model, _, expected = family("deepseek_v41")
+    target = TargetAdapter(model)
+    block = expected[:8]  # from position 21: closes the groups at 24 and 28
+    cache, reference = target.make_cache(), target.make_cache()
+    with target.capture([], cache):
+        model(mx.array(PROMPT)[None], cache=cache)
+        target.rollback(cache, 0)
+        model(mx.array(block)[None], cache=cache)
+        target.rollback(cache, len(block) - accepted - 1)
+    model(mx.array(PROMPT + block[: accepted + 1])[None], cache=reference)
+    for ours, plain in zip(cache, reference):
+        assert ours.offset == plain.offset == len(PROMPT) + accepted + 1
+        for a, b in zip(ours.state[:-1], plain.state[:-1]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4), (a.shape, b.shape)
+
+
+def test_chunked_cache_goes_back_only_while_its_chunk_is_held():
+    cache = ChunkCache(chunk_size=8)
+    keys = mx.zeros((1, 1, 21, 4))
+    cache.update_and_fetch(keys, keys)
+    cache.maybe_trim_front()  # as llama4 does before a forward: holds positions 13..20
+    assert cache.start_position == 13
+    assert cache.can_trim(4) and not cache.can_trim(6)  # 17 is in the chunk of 16; 15 is not
+    assert trim_caches([cache], 15) == 0 and cache.offset == 0
 
 
 def test_wrapped_models_use_their_language_model_head_and_gemma_its_scaled_input(family):
@@ -353,10 +546,21 @@ def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
     assert all(type(m) is qwen3_5.GatedDeltaNet for m in mixers)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
-def test_prompt_cache_across_turns(family, tokenizer, name):
+@pytest.mark.parametrize(
+    "name, goes_back",
+    [
+        ("qwen3_5", False),  # recurrent
+        ("gpt_oss", False),  # sliding window
+        ("llama4", False),  # chunked
+        ("deepseek_v41", False),  # sliding window, compressed groups
+        ("glm_moe_dsa", True),  # cache groups of plain KV caches
+        ("minimax_m3_vl", True),
+    ],
+)
+def test_prompt_cache_across_turns(family, tokenizer, name, goes_back):
     """Follow-up turns reuse the cache, also after a reply cut short; an edited history that a
-    recurrent or sliding-window cache cannot go back to is prefilled again. All lossless."""
+    recurrent, windowed or compressed cache cannot go back to is prefilled again. All
+    lossless."""
     model, draft, _ = family(name)
     cache = make_prompt_cache(model, draft)
     first = prompt_of(30, seed=3)
@@ -364,7 +568,7 @@ def test_prompt_cache_across_turns(family, tokenizer, name):
     cut = [t for _, r in zip(range(4), gen) for t in r.tokens]
     gen.close()
     second = first + cut + prompt_of(5, seed=4)
-    for prompt, reused in ((second, len(first + cut) - 1), (first[:12], 0)):
+    for prompt, reused in ((second, len(first + cut) - 1), (first[:12], 11 * goes_back)):
         assert cache.reuse(prompt) == reused
         expected = reference_greedy(model, prompt, 40, set())
         assert (
