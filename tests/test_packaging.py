@@ -30,6 +30,10 @@ FIRST_RELEASE = {
     ("mlx_lm.models.activations", "swiglu"): "0.30.4",
     ("mlx_lm.models.base", "create_causal_mask"): "0.22.0",
     ("mlx_lm.models.base", "gather_last_axis"): "0.32.1",
+    # in the 0.32.0 wheel (older releases not checked: below any floor we declare)
+    ("mlx_lm.models.cache", "CacheList"): "0.32.0",
+    ("mlx_lm.models.cache", "ChunkedKVCache"): "0.32.0",
+    ("mlx_lm.models.deepseek_v41", "LayerCache"): "0.32.0",
     ("mlx_lm.models.base", "scaled_dot_product_attention"): "0.22.0",
     ("mlx_lm.models.cache", "ArraysCache"): "0.26.1",
     ("mlx_lm.models.cache", "KVCache"): "0.22.0",
