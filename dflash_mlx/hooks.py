@@ -2,7 +2,8 @@
 the hidden states of chosen layers, and tree forwards.
 
 Capture (`capture`): each tapped layer object, and each module whose cache a
-rollback re-runs (a recurrent layer, deepseek_v41's compressor), gets a subclass of
+rollback re-runs (the mixer a recurrent cache is passed to, deepseek_v41's compressor:
+`TargetAdapter.checkpointed`), gets a subclass of
 its own class whose `__call__` records the output (lazily: the layer outputs are
 kept as unevaluated arrays of the same graph, so capturing costs no extra
 evaluation) and checkpoints those caches (`rollback.CHECKPOINTED`), and gets its
