@@ -116,6 +116,7 @@ class AdaptiveBlock:
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while block 1 is best
     fixed_costs: dict[int, float] | None = None  # costs by size instead of timings (sampling)
+    pooled: AdaptiveBlock | None = None  # whose acceptance counts to use instead of its own
     sizes: list[int] = field(init=False)
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -141,6 +142,8 @@ class AdaptiveBlock:
 
     def acceptance_rates(self) -> list[float]:
         """a_1 .. a_{block_size - 1}: estimated acceptance of each draft given the ones before."""
+        if self.pooled is not None:
+            return self.pooled.acceptance_rates()
         rates, previous = [], self.first_rate
         for tried, accepted in zip(self.tried, self.accepted):
             previous = (accepted + self.prior_weight * previous) / (tried + self.prior_weight)
@@ -192,14 +195,55 @@ class AdaptiveBlock:
         """One finished chain cycle."""
         block_size, committed = cycle.proposed + 1, cycle.accepted + 1
         self.cycles += 1
+        if self.timed:
+            running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
+        if self.pooled is not None:
+            return
         if block_size > 1:  # plain steps say nothing about the drafter: keep its counts
             self.tried = [t * self.decay for t in self.tried]
             self.accepted = [a * self.decay for a in self.accepted]
         for k in range(min(committed, block_size - 1)):  # drafts reached: accepted ones + 1
             self.tried[k] += 1
             self.accepted[k] += k < committed - 1
-        if self.timed:
-            running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
+
+
+@dataclass
+class BatchedBlock:
+    """The drafts of the cycles several replies share (`batched.py`), by measured cost.
+
+    Every row of a shared cycle of block size n commits E(n) tokens on average, with the
+    acceptance rates pooled over all rows' chains (one drafter, one target), and the
+    cycle costs c(rows, n): a forward over rows x n positions, plus a drafter forward per
+    row when n > 1. For each number of rows an `AdaptiveBlock` measures c and picks the n
+    that maximises E(n) / c(rows, n), probing its neighbours now and then as it does for
+    one reply; n = 1 is plain batched decoding, measured like any other size, so the
+    batch drafts only while drafting pays for its extra positions.
+    """
+
+    block_size: int
+    pooled: AdaptiveBlock = field(init=False)
+    by_rows: dict[int, AdaptiveBlock] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pooled = AdaptiveBlock(self.block_size, fixed_costs={1: 1.0})  # its counts only
+
+    def _policy(self, rows: int) -> AdaptiveBlock:
+        if rows not in self.by_rows:
+            self.by_rows[rows] = AdaptiveBlock(self.block_size, pooled=self.pooled)
+        return self.by_rows[rows]
+
+    def plan(self, rows: int) -> int:
+        """Draft tokens each row of the next shared cycle of `rows` rows proposes."""
+        return self._policy(rows).plan()
+
+    def record(
+        self, rows: int, positions: int, tried: list[tuple[int, int]], seconds: float
+    ) -> None:
+        """A shared cycle of `rows` rows verifying `positions` each took `seconds`; `tried`:
+        each row's drafts proposed and accepted."""
+        for proposed, accepted in tried:
+            self.pooled.record(Cycle(proposed, accepted, 0.0))
+        self._policy(rows).record(Cycle(positions - 1, 0, seconds))
 
 
 @dataclass

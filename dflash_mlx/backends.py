@@ -26,7 +26,7 @@ row as MLX's one-row product does, so verify logits equal decoding's bit for bit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -96,12 +96,6 @@ REPLACEMENTS = {
 TAGS = {"cpu": "CpuMath", "cuda": "CudaVerify"}
 
 
-def verify_class(cls: type, backend: str) -> type | None:
-    """The class a module of class `cls` takes in a verify forward on `backend` for the
-    functions it calls, or None when it calls none that backend replaces."""
-    return rebound_class(cls, REPLACEMENTS[backend], TAGS[backend])
-
-
 # The few-row product class a layer takes on each backend that has one (None: keep its own).
 FEW_ROWS_CLASS = {
     "cpu": few_rows_quantized.few_rows_class,
@@ -118,13 +112,20 @@ FEW_ROWS_HEAD = {
 }
 
 
-def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) -> list[Swap]:
+def verify_swaps(
+    modules: list[nn.Module | None],
+    backend: str | None,
+    positions: int,
+    attention: Callable[..., mx.array] | None = None,
+) -> list[Swap]:
     """The swaps of a target forward over `positions` on `backend`, for the modules inside
     `modules` (None: another pipeline rank's layer): on the CPU the norms and RoPEs
     (compiled) and, over several positions, SwiGLU, SDPA and the quantized layers and LM head
     (`few_rows_quantized.few_rows_class`); on CUDA, over several positions, SDPA and the linear
     layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`); on Metal, over
-    several positions, the quantized ones (`metal_quantized.few_rows_class`).
+    several positions, the quantized ones (`metal_quantized.few_rows_class`). `attention`
+    replaces mlx-lm's `scaled_dot_product_attention` everywhere (a batched forward's,
+    `rows.attention`, which calls the backend's own per row).
     """
     several = positions > 1
     few_rows_class = FEW_ROWS_CLASS.get(backend)
@@ -135,9 +136,26 @@ def verify_swaps(modules: list[nn.Module | None], backend: str, positions: int) 
                 swaps.append((m, type(m), few))
             elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
                 swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
-            elif several and backend in REPLACEMENTS and (verify := verify_class(type(m), backend)):
+            elif verify := verify_class(type(m), backend, several, attention):
                 swaps.append((m, type(m), verify))
     return swaps
+
+
+def verify_class(
+    cls: type,
+    backend: str | None,
+    several: bool = True,
+    attention: Callable[..., mx.array] | None = None,
+) -> type | None:
+    """The class a module of class `cls` takes in a verify forward on `backend` (over
+    several positions, or one) for the functions it calls, or None when it calls none that
+    is replaced there; `attention` replaces mlx-lm's SDPA too."""
+    replacements = dict(REPLACEMENTS.get(backend, {})) if several else {}
+    tag = TAGS.get(backend, "") if several else ""
+    if attention is not None:
+        replacements["scaled_dot_product_attention"] = (scaled_dot_product_attention, attention)
+        tag = f"Rows{tag}"
+    return rebound_class(cls, replacements, tag) if replacements else None
 
 
 def block_swaps(modules: list[nn.Module], backend: str | None) -> list[Swap]:

@@ -24,12 +24,12 @@ from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .chat_format import encode_prompt
 from .distributed import world_group
 from .draft import DFlashDraft
-from .loop import generate_step
+from .loop import Batch, replies
 from .prompt_cache import PromptCache, make_prompt_cache
 from .proposers import DrafterProposer, LookupProposer, Proposer
 from .response import GenerationResponse
 from .settings import GenerationSettings
-from .steps import ChainStep, Sequence, Step, SwitchStep, TreeStep
+from .steps import ChainStep, Reply, Sequence, Step, SwitchStep, TreeStep
 from .target import TargetAdapter
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
@@ -45,6 +45,7 @@ def stream_generate(
     settings: GenerationSettings | None = None,
     prompt_cache: PromptCache | None = None,
     block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None = None,
+    batch: Batch | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
@@ -95,6 +96,9 @@ def stream_generate(
     in the prompt or the reply (`lookup.py`), within the budget; without a drafter
     (`draft=None`), `tree_budget` verifies that chain alone, up to that deep
     (prompt lookup decoding).
+    `batch` (a `loop.Batch` of this target and drafter) decodes the reply together with the
+    other replies in it, each response arriving as the batch's cycles advance it (a
+    server's concurrent requests); by default the reply is a batch of its own.
     """
     if block_size is not None:
         kwargs["block_size"] = block_size
@@ -127,7 +131,9 @@ def stream_generate(
         proposer = LookupProposer(prompt_ids, proposer)
     seq = Sequence(target, prompt_cache, proposer, verifier)
     step = make_step(seq, settings, draft, block_policy, mixed)
-    commits = generate_step(seq, step, prompt_ids, max_tokens, set(tokenizer.eos_token_ids))
+    max_drafts = settings.block_size - 1 if settings.block_size else None
+    reply = Reply(seq, step, prompt_ids, max_tokens, set(tokenizer.eos_token_ids), max_drafts)
+    commits = replies(batch or Batch(target), reply)
     return stream(commits, tokenizer, len(prompt_ids))
 
 

@@ -219,18 +219,19 @@ def capture(
     layers: list[nn.Module | None],
     layer_ids: list[int],
     checkpointed: list[nn.Module],
-    cache: list[Any] | None = None,
+    cache: list[Any] | set[int] | None = None,
     pipelined: nn.Module | None = None,
 ) -> Iterator[dict[Any, mx.array]]:
     """Record the outputs (`feature`) of `layers[i]` for i in `layer_ids` on every forward
     while the context is open, and have the `checkpointed` modules checkpoint the caches
     they are passed so that a rollback can re-run the committed prefix. With `cache`, a
-    forward through other caches is not recorded. `pipelined`: the backbone, when the
+    forward through other caches is not recorded (a set: the ids of the caches, which the
+    caller may change while the capture is open). `pipelined`: the backbone, when the
     layers are split over pipeline ranks (None in `layers`: another rank's). A second
     capture of the same layers while one is open raises RuntimeError.
     """
     sink: dict[Any, mx.array] = PipelineSink(layer_ids) if pipelined is not None else {}
-    caches = None if cache is None else {id(c) for c in cache}
+    caches = cache if isinstance(cache, set) or cache is None else {id(c) for c in cache}
     with HOOKING:
         if any(type(m) in _HOOKED_CLASSES.values() for m in [*layers, *checkpointed]):
             raise RuntimeError(

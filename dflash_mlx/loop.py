@@ -1,22 +1,31 @@
 """The speculative loop at the level of tokens, as mlx-lm's `generate_step` is for plain
-decoding: prefill, then one step per cycle, yielding each cycle's commit.
+decoding: prefill, then one step per cycle, each cycle's commit handed to its reply.
 
-A step (`steps.py`) launches a cycle on the last committed token and settles it
-after the previous commit was yielded, so the consumer's work overlaps the
-device's. The loop ends a reply at an EOS token (kept) or at `max_tokens`, and
-drops a cycle a step queued past the end. It knows nothing of text, time or what
-proposes the drafts.
+A `Batch` advances every reply it holds by one cycle per `cycle()`: it settles the
+cycles launched before (one device read each), prefills the replies that joined, ends
+replies at an EOS token (kept) or at their `max_tokens`, and launches the next cycle
+before the commits are consumed, so the consumer's work overlaps the device's. One
+reply takes its own step (`steps.py`: chains, trees, the prompt lookup, queued plain
+steps), and so does each reply of a target whose caches cannot share a forward; several
+replies of a target that can (`rows.batchable`) share one verify forward per cycle
+(`batched.py`). A single generation is a batch of one (`replies`). The loop knows
+nothing of text, time or what proposes the drafts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from .steps import Commit, Sequence, Step
+from .batched import BatchedChain
+from .rows import batchable
+from .steps import Commit, Reply, Sequence
+from .target import TargetAdapter
 
 PREFILL_STEP = 2048
 
@@ -39,38 +48,153 @@ def prefill(seq: Sequence, prompt: list[int], start: int) -> Commit:
     return Commit([first.token.item()], first.logits, prefilled=len(prompt) - start)
 
 
-def generate_step(
-    seq: Sequence,
-    step: Step,
-    prompt: list[int],
-    max_tokens: int,
-    eos: set[int],
-) -> Iterator[Commit]:
-    """Commits of one reply to `prompt`: the prefill's token first, then one per cycle;
-    the last has its `finish` reason. The caches hold the prompt and the reply after,
-    but for its last token (`prompt_cache.tokens` lists what they hold)."""
-    prompt_cache = seq.prompt_cache
-    reused = prompt_cache.reuse(prompt)
-    with seq.capturing(), wired_limit(seq.target.model):
-        commit = prefill(seq, prompt, reused)
-        prompt_cache.tokens = list(prompt)
-        started, generated = time.perf_counter(), 0
+class Batch:
+    """Replies to one target decoded together (see the module docstring).
+
+    `chain` runs the cycles that several replies share; without one (or on a target
+    whose caches cannot share a forward) each reply takes its own step in turn.
+    While the batch holds replies the target's tapped layers are captured (one capture
+    for all) and its weights kept wired, as mlx-lm does while generating.
+    """
+
+    def __init__(self, target: TargetAdapter, chain: BatchedChain | None = None):
+        self.target, self.chain = target, chain
+        self.replies: list[Reply] = []
+        self.joining: list[Reply] = []
+        self.shared: Any = None  # the shared cycle launched, if any
+        self.layer_ids: list[int] | None = None
+        self.caches: set[int] = set()  # ids of the caches whose forwards are captured
+        self.sink: dict[int, mx.array] = {}
+        self.held: ExitStack | None = None
+
+    def add(self, reply: Reply) -> None:
+        """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
+        layer_ids = reply.seq.proposer.layer_ids
+        if self.held is None:
+            self.held = ExitStack()
+            self.held.enter_context(wired_limit(self.target.model))
+        if layer_ids and self.layer_ids is None:
+            self.layer_ids = layer_ids
+            self.sink = self.held.enter_context(self.target.capture(layer_ids, self.caches))
+        elif layer_ids and layer_ids != self.layer_ids:
+            raise ValueError("replies in one batch must tap the same target layers")
+        self.caches.update(map(id, reply.seq.cache))
+        self.joining.append(reply)
+
+    def remove(self, reply: Reply) -> None:
+        """Drop `reply` (finished, or its consumer gone): a cycle launched for it is undone
+        from its caches, which then hold what `prompt_cache.tokens` lists."""
+        if reply in self.joining:
+            self.joining.remove(reply)
+        if reply in self.replies:
+            self.replies.remove(reply)
+            if self.shared is not None and reply in self.shared.replies:
+                self.chain.drop(self.shared, reply)
+            elif reply.pending is not None:
+                reply.step.cancel(reply.pending)
+            reply.pending = None
+        self.caches.difference_update(map(id, reply.seq.cache))
+        reply.finished = True
+        if not self.replies and not self.joining and self.held is not None:
+            self.held.close()
+            self.held, self.sink, self.layer_ids = None, {}, None
+
+    def cycle(self) -> None:
+        """Advance every reply by one cycle: each gets its next commit (`Reply.commits`).
+        An error fails every reply of the batch, whose caches it may have left between
+        two states: the caller gets it raised, the others at their next commit."""
+        try:
+            self._cycle()
+        except Exception as exc:
+            for reply in [*self.replies, *self.joining]:
+                reply.error = exc
+                self.remove(reply)
+            self.shared = None
+            raise
+
+    def _cycle(self) -> None:
+        committed: list[tuple[Reply, Commit]] = []
+        if self.shared is not None:
+            committed += self.chain.settle(self.shared)
+            self.shared = None
+        for reply in self.replies:
+            if reply.pending is not None:  # its step reads its own forward's features
+                commit = reply.step.settle(reply.pending, reply.remaining, reply.started)
+                committed.append((reply, commit))
+                reply.pending = None
+                self._keep_features(reply)
+        for reply in self.joining:
+            reply.seq.features = self.sink
+            start = reply.seq.prompt_cache.reuse(reply.prompt)
+            committed.append((reply, prefill(reply.seq, reply.prompt, start)))
+            reply.seq.prompt_cache.tokens = list(reply.prompt)
+            self.replies.append(reply)
+        self.joining = []
+        now = time.perf_counter()
+        for reply, commit in committed:
+            self._finish(reply, commit)
+            reply.commits.append(commit)
+            reply.started = now
+            if commit.finish:
+                self.remove(reply)
+        self._launch([(r, c) for r, c in committed if not c.finish])
+
+    def _finish(self, reply: Reply, commit: Commit) -> None:
+        """End the reply at an EOS token (kept) or at its token limit."""
+        stop = next((i for i, t in enumerate(commit.tokens) if t in reply.eos), None)
+        if stop is not None:
+            commit.tokens, commit.logits = commit.tokens[: stop + 1], commit.logits[: stop + 1]
+        reply.generated += len(commit.tokens)
+        if commit.tokens[-1] in reply.eos:
+            commit.finish = "stop"
+        elif reply.generated >= reply.max_tokens:
+            commit.finish = "length"
+        if commit.finish and commit.queued:  # queued on the token that ended the reply
+            reply.step.cancel(commit.queued)
+            commit.queued = None
+        elif not commit.finish:
+            reply.seq.proposer.committed(commit.tokens)
+
+    def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
+        """The next cycle of every reply going on: one shared cycle, or each its own step
+        (which reads and records the features of the forward it runs)."""
+        if len(going_on) > 1 and self.chain is not None and self._shareable():
+            for reply, commit in going_on:
+                if commit.queued:
+                    reply.step.cancel(commit.queued)
+            roots = [(reply, commit.tokens[-1]) for reply, commit in going_on]
+            self.shared = self.chain.launch(roots, self.sink)
+            return
+        for reply, commit in going_on:
+            reply.pending = commit.queued or reply.step.launch(commit.tokens[-1], reply.remaining)
+            self._keep_features(reply)
+
+    def _keep_features(self, reply: Reply) -> None:
+        """After a forward of the reply's own step: the features its step reads next. One
+        reply reads the live capture (a pipelined one gathers the ranks' layers as it is
+        read); each of several keeps its own forward's, which the next one's overwrites."""
+        reply.seq.features = dict(self.sink) if len(self.replies) > 1 else self.sink
+
+    def _shareable(self) -> bool:
+        return all(batchable(r.seq.cache) for r in self.replies)
+
+
+def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:
+    """`reply`'s commits: the prefill's token first, then one per cycle, the last with its
+    `finish` reason. Whoever finds the reply's commits consumed runs the batch's next
+    cycle, which advances every reply in it. Closing the iterator drops the reply; the
+    caches then hold the prompt and the reply after, but for its last token
+    (`prompt_cache.tokens` lists what they hold)."""
+    batch.add(reply)
+    try:
         while True:
-            stop = next((i for i, t in enumerate(commit.tokens) if t in eos), None)
-            if stop is not None:
-                commit.tokens, commit.logits = commit.tokens[: stop + 1], commit.logits[: stop + 1]
-            generated += len(commit.tokens)
-            if commit.tokens[-1] in eos:
-                commit.finish = "stop"
-            elif generated >= max_tokens:
-                commit.finish = "length"
-            if commit.finish and commit.queued:  # queued on the token that ended the reply
-                step.cancel(commit.queued)
-            elif not commit.finish:
-                seq.proposer.committed(commit.tokens)
-                pending = commit.queued or step.launch(commit.tokens[-1], max_tokens - generated)
+            while not reply.commits:
+                if reply.error is not None:
+                    raise reply.error
+                batch.cycle()
+            commit = reply.commits.popleft()
             yield commit
             if commit.finish:
                 return
-            commit = step.settle(pending, max_tokens - generated, started)
-            started = time.perf_counter()
+    finally:
+        batch.remove(reply)

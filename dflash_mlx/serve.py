@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from .session import (
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
@@ -37,10 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="requests decoded together, one verify forward per cycle for all of them "
+        f"(default {DEFAULT_MAX_BATCH}; 1: one at a time, as under mlx.launch)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=DEFAULT_MAX_QUEUE,
-        help="requests that may wait for the model; more get 503 with Retry-After",
+        help="requests that may wait beyond the batch; more get 503 with Retry-After",
     )
     parser.add_argument(
         "--prompt-cache-size",

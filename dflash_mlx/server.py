@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -67,13 +68,17 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .adaptive import BatchedBlock
+from .batched import BatchedChain
 from .chat_format import chat_prompt, encode_prompt
 from .connections import GuardedH11, Repeats
 from .distributed import Lockstep, abort, is_backend_error, world_group
 from .generate import stream_generate
+from .loop import Batch
 from .prompt_cache import PromptCache, PromptCacheStore, make_prompt_cache
 from .response import GenerationResponse
 from .session import (
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PROMPT_CACHE_BYTES,
@@ -433,7 +438,9 @@ class QueueFull(Exception):
 
 
 class Worker:
-    """Runs generations one at a time on a single thread; the model and cache live there."""
+    """Runs generations on a single thread, where the model and caches live: up to
+    `max_batch` requests decoded together (`loop.Batch`: one verify forward per cycle for
+    all of them), each streaming its tokens as its cycles commit them; the rest wait."""
 
     def __init__(
         self,
@@ -446,11 +453,14 @@ class Worker:
         max_queue: int = DEFAULT_MAX_QUEUE,
         lockstep: Lockstep | None = None,
         prompt_caches: tuple[int, int] = (DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_PROMPT_CACHE_BYTES),
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
         """`defaults`: the flags' generation settings, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own;
-        `lockstep` the ranks that run every job under `mlx.launch`; `prompt_caches` how
-        many conversations' caches to keep, and in how many bytes at most."""
+        `lockstep` the ranks that run every job under `mlx.launch` (one job at a time
+        there: every rank must run the same forwards, and ranks do not agree on when a
+        request joins a batch); `prompt_caches` how many conversations' caches to keep,
+        and in how many bytes at most; `max_batch` how many requests decode together."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         self.template_kwargs = template_kwargs or {}
         self.processor_settings = processor_settings or {}
@@ -461,7 +471,12 @@ class Worker:
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
         self.max_queue = max_queue
         self.lockstep = lockstep or Lockstep(None, 0, "serve")
-        self.pending = 0  # generations queued or running
+        self.max_batch = max_batch if self.lockstep.group is None else 1
+        block_size = draft.config.block_size if draft is not None else 1
+        self.batch = Batch(target, BatchedChain(target, BatchedBlock(block_size)))
+        self.waiting: deque[tuple[Job, threading.Event, Callable]] = deque()
+        self.scheduling = False  # whether the worker thread runs `_schedule`
+        self.pending = 0  # generations waiting or running
         self._pending_lock = threading.Lock()
 
     def close(self) -> None:
@@ -499,6 +514,7 @@ class Worker:
             job.prompt,
             settings=settings,
             prompt_cache=cache,
+            batch=self.batch,
         )
         return self.lockstep.steps(self.keeping(cache, stop_at_strings(responses, job.stops)), stop)
 
@@ -527,48 +543,85 @@ class Worker:
                     raise
                 log.info("job failed: %s", exc)
 
-    def _run(self, job: Job, stop: threading.Event, put) -> None:
-        try:
-            if stop.is_set():  # the client left while waiting its turn
-                return
-            log.info("generating: %d prompt tokens", len(job.prompt))
-            self.lockstep.send(asdict(job))
-            responses = self.generate(job, stop.is_set)
-            try:
-                for response in responses:
-                    entries = None
-                    if job.top_logprobs is not None:
-                        entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
-                    put((response, entries))
-                    if stop.is_set() and response.finish_reason is None:
-                        log.info("client gone: stopped after %d tokens", response.generation_tokens)
-            finally:
-                responses.close()
-        except Exception as exc:
-            put(exc)
-            if self.lockstep.group is not None and is_backend_error(exc):
-                abort(f"dflash-mlx serve: error: rank 0: {exc}")  # the ranks are out of step
-        finally:
+    def _schedule(self) -> None:
+        """The worker thread's loop: admit waiting requests up to `max_batch`, then hand each
+        running one its next response (a batch cycle advances them all), until none is
+        left."""
+        running: list[Running] = []
+        while True:
             with self._pending_lock:
-                self.pending -= 1
-            put(None)
+                while self.waiting and len(running) < self.max_batch:
+                    running += filter(None, [self._start(*self.waiting.popleft())])
+                if not running:
+                    self.scheduling = False
+                    return
+            running = [r for r in running if self._advance(r)]
+
+    def _start(self, job: Job, stop: threading.Event, put: Callable) -> Running | None:
+        """The request's running generation, or None when it ended before starting."""
+        started = Running(job, stop, put, iter(()))
+        if stop.is_set():  # the client left while waiting its turn
+            self._end(started)
+            return None
+        log.info("generating: %d prompt tokens", len(job.prompt))
+        try:
+            self.lockstep.send(asdict(job))
+            started.responses = self.generate(job, stop.is_set)
+        except Exception as exc:
+            self._fail(started, exc)
+            return None
+        return started
+
+    def _advance(self, running: Running) -> bool:
+        """Hand the request its next response; False once it has ended."""
+        job = running.job
+        try:
+            response = next(running.responses)
+            entries = None
+            if job.top_logprobs is not None:
+                entries = logprob_entries(self.tokenizer, response, job.top_logprobs)
+        except StopIteration:
+            self._end(running)
+            return False
+        except Exception as exc:
+            self._fail(running, exc)
+            return False
+        running.put((response, entries))
+        if running.stop.is_set() and response.finish_reason is None:
+            log.info("client gone: stopped after %d tokens", response.generation_tokens)
+        return True
+
+    def _fail(self, running: Running, exc: Exception) -> None:
+        running.put(exc)
+        if self.lockstep.group is not None and is_backend_error(exc):
+            abort(f"dflash-mlx serve: error: rank 0: {exc}")  # the ranks are out of step
+        self._end(running)
+
+    def _end(self, running: Running) -> None:
+        running.responses.close()
+        with self._pending_lock:
+            self.pending -= 1
+        running.put(None)
 
     def submit(
         self, job: Job, stop: threading.Event
     ) -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
         """Queue a generation; iterate the result for its responses (with their logprobs
         entries when asked for). QueueFull if no room."""
-        with self._pending_lock:
-            if self.pending > self.max_queue:  # one runs, max_queue wait
-                raise QueueFull
-            self.pending += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.executor.submit(self._run, job, stop, put)
+        with self._pending_lock:
+            if self.pending >= self.max_batch + self.max_queue:  # max_batch run, max_queue wait
+                raise QueueFull
+            self.pending += 1
+            self.waiting.append((job, stop, put))
+            if not self.scheduling:
+                self.scheduling = True
+                self.executor.submit(self._schedule)
 
         async def responses() -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
             try:
@@ -580,6 +633,17 @@ class Worker:
                 stop.set()
 
         return responses()
+
+
+@dataclass
+class Running:
+    """A request the worker thread is generating: its job, its client's stop flag, where
+    its responses go (`put`) and where they come from."""
+
+    job: Job
+    stop: threading.Event
+    put: Callable[[Any], None]
+    responses: Iterator[GenerationResponse]
 
 
 @dataclass
@@ -946,6 +1010,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Bad limits fail before anything loads."""
     for flag, least in (
         ("max_queue", 0),
+        ("max_batch", 1),
         ("max_body_bytes", 1),
         ("max_connections", 1),
         ("prompt_cache_size", 1),
@@ -988,6 +1053,7 @@ def run(args: argparse.Namespace) -> None:
         args.max_queue,
         Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
         (args.prompt_cache_size, args.prompt_cache_bytes),
+        args.max_batch,
     )
     if cached is not None:  # requests that start with the cached prompt go on from it
         worker.caches.put(cached)

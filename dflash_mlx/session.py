@@ -29,6 +29,7 @@ from .settings import GenerationSettings
 from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
+DEFAULT_MAX_BATCH = 8  # requests `serve` decodes together
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a request body `serve` reads at most
 DEFAULT_MAX_CONNECTIONS = 64  # connections `serve` keeps open
 DEFAULT_REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send a whole request to `serve`

@@ -12,9 +12,10 @@ host streams the previous one.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -92,6 +93,29 @@ class Step(Protocol):
     def cancel(self, pending: Any) -> None:
         """Drop a cycle `settle` queued (`Commit.queued`) that the reply no longer needs;
         only steps that queue are asked."""
+
+
+@dataclass(eq=False)
+class Reply:
+    """One reply a batch advances: its sequence and step, its prompt and limits, the
+    commits not yet consumed, and the cycle launched for it (`pending`)."""
+
+    seq: Sequence
+    step: Step
+    prompt: list[int]
+    max_tokens: int
+    eos: set[int]
+    max_drafts: int | None = None  # a cap on the drafts of a shared cycle (None: the drafter's)
+    commits: deque[Commit] = field(default_factory=deque)
+    generated: int = 0
+    pending: Any = None
+    started: float = 0.0
+    finished: bool = False
+    error: Exception | None = None  # what failed a cycle of its batch
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.generated
 
 
 @dataclass

@@ -34,7 +34,7 @@ from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from . import backends, few_rows_quantized, hooks
+from . import backends, few_rows_quantized, hooks, rows
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
 from .loading import cast_model, load_dtype, read_config, resolve_path
@@ -333,7 +333,7 @@ class TargetAdapter:
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
         self.max_context = getattr(args, "max_position_embeddings", None)
-        self._verify_swaps: dict[tuple[str | None, bool], list[Swap]] = {}
+        self._verify_swaps: dict[tuple, list[Swap]] = {}
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
@@ -342,22 +342,31 @@ class TargetAdapter:
         attention take their exps from `cpu_math`; on MLX's CUDA backend attention takes
         the verify kernel over several positions (see the module docstring).
         """
-        swaps = self.verify_swaps(tokens.size)
+        return self._forward(tokens[None], cache, self.verify_swaps(tokens.size))[0]
+
+    def forward_rows(self, tokens: mx.array, caches: list[list[Any]]) -> mx.array:
+        """The logits (rows, n, vocab) at `tokens` (rows, n), row i appended to `caches[i]`:
+        one forward for all rows, each attending to its own cache (`rows.py`)."""
+        swaps = self.verify_swaps(tokens.shape[1], rows.attention)
+        return self._forward(tokens, rows.row_caches(caches), swaps)
+
+    def _forward(self, tokens: mx.array, cache: list[Any], swaps: list[Swap]) -> mx.array:
         if not swaps:
-            return self.model(tokens[None], cache=cache)[0]
+            return self.model(tokens, cache=cache)
         # graph building only: the classes are back before anything runs
         with hooks.HOOKING, backends.building(swaps):
-            return self.model(tokens[None], cache=cache)[0]
+            return self.model(tokens, cache=cache)
 
-    def verify_swaps(self, positions: int) -> list[Swap]:
+    def verify_swaps(self, positions: int, attention: Callable | None = None) -> list[Swap]:
         """The class swaps of a forward over `positions` on this backend
-        (`backends.verify_swaps`), found once per backend and kind of forward."""
+        (`backends.verify_swaps`, with `attention` for batched forwards), found once per
+        backend and kind of forward."""
         backend = backends.current()
-        key = (backend, positions > 1)
+        key = (backend, positions > 1, attention)
         if key not in self._verify_swaps:
             norms = [self.backbone.get(name) for name in FINAL_NORMS]
             modules = [*self.layers, *[n for n in norms if isinstance(n, nn.Module)], self.head]
-            self._verify_swaps[key] = backends.verify_swaps(modules, backend, positions)
+            self._verify_swaps[key] = backends.verify_swaps(modules, backend, positions, attention)
         return self._verify_swaps[key]
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
@@ -461,7 +470,7 @@ class TargetAdapter:
 
     @contextmanager
     def capture(
-        self, layer_ids: list[int], cache: list[Any] | None = None
+        self, layer_ids: list[int], cache: list[Any] | set[int] | None = None
     ) -> Iterator[dict[int, mx.array]]:
         """Record the outputs of `layer_ids` on every forward while the context is open
         (`hooks.capture`); with `cache`, only forwards through those caches. The modules

@@ -483,7 +483,8 @@ def test_chat_template_is_rendered_off_the_event_loop(make_pair, loaded):
 
 def test_full_wait_queue_answers_503_with_retry_after(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=6), max_queue=1)
+    settings = GenerationSettings(max_tokens=6)
+    worker = Worker(model, tokenizer, draft, settings, max_queue=1, max_batch=1)
     with serving(worker) as port:
         busy = threading.Event()
         worker.executor.submit(busy.wait)  # the model is busy until we say

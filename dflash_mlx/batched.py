@@ -1,0 +1,125 @@
+"""One verify cycle shared by several replies (`BatchedChain`): each reply's drafter
+proposes its chain, the target verifies every reply's [last token] + drafts in one
+forward (`TargetAdapter.forward_rows`: each row attends to its own caches), and each
+reply accepts its own prefix.
+
+Rows verify as many positions as the longest chain; a shorter row's extra positions
+(padding) are computed and trimmed with its rejected drafts, so the rows stay ragged:
+each cache keeps its own length. Each row is verified by its own reply's verifier
+(its sampling settings, logits processors and random draws), so a reply's tokens are
+what they would be alone. How many drafts a shared cycle proposes is the batch's
+width policy's choice (`adaptive.BatchedBlock`): verify positions cost more as rows x
+positions grow, down to one position per row (plain batched decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .adaptive import BatchedBlock
+from .sampling import Verdict
+from .steps import Commit, Reply
+from .target import TargetAdapter
+from .tree import read_together
+
+
+@dataclass
+class Row:
+    """One reply's part of a shared cycle: its root, positions, drafts and verdict."""
+
+    root: int
+    size: int
+    drafts: mx.array
+    verdict: Verdict
+
+
+@dataclass
+class SharedCycle:
+    """A shared cycle on the device: its replies, their rows, the positions every row
+    verified and the target's features of all of them."""
+
+    replies: list[Reply]
+    rows: list[Row]
+    positions: int
+    features: dict[int, mx.array]
+    drafts: int
+    started: float
+
+
+class BatchedChain:
+    """Launches and settles the cycles several replies share (see the module docstring)."""
+
+    def __init__(self, target: TargetAdapter, policy: BatchedBlock):
+        self.target, self.policy = target, policy
+
+    def launch(self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array]) -> SharedCycle:
+        """The cycle after each reply's `root`: drafts as the policy plans for this many
+        rows (fewer for a reply near its end or capped lower), one verify forward."""
+        started = time.perf_counter()
+        drafts = self.policy.plan(len(roots))
+        rows, blocks = [], []
+        for reply, root in roots:
+            seq = reply.seq
+            cap = drafts if reply.max_drafts is None else min(drafts, reply.max_drafts)
+            wanted = min(cap, reply.remaining - 1) if seq.proposer.layer_ids else 0
+            context = seq.tokens + [root] if seq.verifier.processors else None
+            root_id = mx.array([root], dtype=mx.uint32)
+            chain, logq = mx.array([], dtype=mx.uint32), None
+            if wanted > 0:
+                chain, logq = seq.proposer.chain(root_id, wanted, context)
+                chain = chain.astype(mx.uint32)
+            rows.append((reply, root, chain, logq, context))
+            blocks.append((root, mx.concatenate([root_id, chain])))
+        positions = max(block.size for _, block in blocks)
+        tokens = mx.stack(
+            [
+                mx.pad(block, (0, positions - block.size), constant_values=root)
+                for root, block in blocks
+            ]
+        )
+        logits = self.target.forward_rows(tokens, [r.seq.cache for r, *_ in rows])
+        features = dict(sink)
+        out = []
+        for i, (reply, root, chain, logq, context) in enumerate(rows):
+            size = chain.size + 1
+            verdict = reply.seq.verifier.verify(chain, logq, logits[i, :size], context)
+            out.append(Row(root, size, chain, verdict))
+        mx.async_eval([part for row in out for part in (row.drafts, row.verdict.accepted)])
+        mx.async_eval([row.verdict.token for row in out])
+        replies = [reply for reply, *_ in rows]
+        return SharedCycle(replies, out, positions, features, drafts, started)
+
+    def settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
+        """Read every row's verdict at once and commit each reply's accepted prefix."""
+        parts = [
+            p for row in cycle.rows for p in (row.drafts, row.verdict.accepted, row.verdict.token)
+        ]
+        read = [part.tolist() for part in read_together(parts, mx.int32)]
+        commits, tried = [], []
+        for i, (reply, row) in enumerate(zip(cycle.replies, cycle.rows)):
+            drafts, accepted, token = read[3 * i : 3 * i + 3]
+            seq = reply.seq
+            seq.target.rollback(seq.cache, cycle.positions - accepted - 1)
+            layer_ids = seq.proposer.layer_ids
+            if layer_ids:
+                kept = [cycle.features[j][i : i + 1, : accepted + 1] for j in layer_ids]
+                seq.proposer.observe(mx.concatenate(kept, axis=-1))
+            seq.tokens.extend([row.root, *drafts[:accepted]])
+            logits = row.verdict.logits[: accepted + 1]
+            commits.append(
+                (reply, Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1))
+            )
+            tried.append((row.size - 1, accepted))
+        seconds = time.perf_counter() - cycle.started
+        self.policy.record(len(cycle.rows), cycle.positions, tried, seconds)
+        return commits
+
+    def drop(self, cycle: SharedCycle, reply: Reply) -> None:
+        """Take `reply` out of a launched cycle: its verified positions leave its caches."""
+        i = cycle.replies.index(reply)
+        reply.seq.target.rollback(reply.seq.cache, cycle.positions)
+        del cycle.replies[i], cycle.rows[i]
+        cycle.features = {j: mx.concatenate([f[:i], f[i + 1 :]]) for j, f in cycle.features.items()}

@@ -1,0 +1,95 @@
+"""One target forward over several replies, each through its own caches.
+
+A batched cycle verifies every active reply's positions in one forward: the rows'
+positions (B, n) go through every projection, norm and MLP together, so each weight is
+read once for all of them, while attention runs row by row on each row's own KV cache
+with the function and mask that row's own forward would use. No row sees another's
+keys, each cache keeps its row's own length (a rejected draft is trimmed from its row
+alone, and a reply joins or leaves without copying anyone's cache), and a row's
+attention is its solo forward's.
+
+The model code runs unchanged: each layer is handed a `RowCaches` as its cache. Its
+`offset` is the rows' offsets as one array (RoPE takes one offset per batch row),
+`update_and_fetch` appends each row's keys and values to that row's cache, and
+`make_mask` gives each row's own mask (`RowMasks`); while the graph is built the
+attention modules call `attention` below in place of mlx-lm's
+`scaled_dot_product_attention` (`backends.verify_swaps(..., attention=)`).
+
+Only targets whose every cache is a plain `KVCache` batch so (`batchable`): recurrent,
+windowed and compressed caches keep state a row-by-row attention cannot reach.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+from . import backends
+
+
+class RowMasks(list):
+    """Each row's attention mask, as that row's own cache made it."""
+
+
+class RowCaches:
+    """One layer's caches of several rows, passed to the layer as its cache."""
+
+    def __init__(self, caches: list[Any], offset: mx.array):
+        self.caches, self.offset = caches, offset
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append row i's keys and values to row i's cache; `attention` reads what each
+        row's cache then holds (the arrays returned are the new keys and values alone)."""
+        self.fetched = [
+            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            for i, c in enumerate(self.caches)
+        ]
+        return keys, values
+
+    def make_mask(self, N: int, **kwargs: Any) -> RowMasks:
+        return RowMasks(c.make_mask(N, **kwargs) for c in self.caches)
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: RowCaches,
+    scale: float,
+    mask: RowMasks,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Each row's queries against its own cache, by the function its own forward calls."""
+    positions = queries.shape[2]
+    solo = scaled_dot_product_attention
+    if positions > 1:
+        solo = backends.REPLACEMENTS.get(backends.current(), {}).get(
+            "scaled_dot_product_attention", (None, solo)
+        )[1]
+    out = [
+        solo(queries[i : i + 1], k, v, c, scale, mask[i], sinks)
+        for i, ((k, v), c) in enumerate(zip(cache.fetched, cache.caches))
+    ]
+    return mx.concatenate(out)
+
+
+def batchable(cache: list[Any]) -> bool:
+    """Whether a reply with these target caches can share a batched forward."""
+    return all(type(c) is KVCache for c in cache)
+
+
+def row_caches(caches: list[list[Any]]) -> list[RowCaches]:
+    """Per layer, the rows' caches (`caches[row][layer]`) as one `RowCaches`; the layers
+    share one offsets array where their offsets agree, so RoPE tables are shared too."""
+    shared: dict[tuple[int, ...], mx.array] = {}
+    layers = []
+    for per_row in zip(*caches):
+        offsets = tuple(c.offset for c in per_row)
+        if offsets not in shared:
+            shared[offsets] = mx.array(offsets, dtype=mx.int32)
+        layers.append(RowCaches(list(per_row), shared[offsets]))
+    return layers
