@@ -60,6 +60,8 @@ def stream_generate(
     When sampling, `acceptance="speculative"` accepts drafts by speculative
     sampling (exact in distribution); `"match"` only when a draft equals the
     target's own sample (also the rule for a custom `sampler`).
+    `seed` gives the reply its own random stream instead of MLX's global state, so what
+    else samples in between does not change it.
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
     pass the whole conversation as `prompt`; only the new part is prefilled.
     By default (no `block_size`, `tree_budget` or `adaptive`) each cycle is a

@@ -12,6 +12,10 @@ Three rules, all lossless:
   normalize(max(0, p - q)); if all are accepted the bonus token comes from p.
   Every emitted token is then distributed exactly as the target's own sample.
 
+A verifier draws from MLX's global random state, or from its own stream (`key`)
+when it has one: a seeded reply then draws the same whatever else samples
+beside it.
+
 Everything stays on the device, the token after the accepted drafts included;
 the loop reads a cycle's drafts, accepted count and that token in one read.
 Full-vocabulary work is kept to what a cycle needs: on a CPU an `exp` costs
@@ -35,6 +39,7 @@ from . import cpu_math
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens, logits) -> logits
 RULES = ("speculative", "match")
+MAX_SEED = 2**32 - 1  # a seed is a uint32, as `mx.random.key` takes it
 
 
 def make_logprobs_transform(
@@ -93,22 +98,28 @@ def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
 
 
 def speculative_accept(
-    drafts: mx.array, draft_logprobs: mx.array, target_logprobs: mx.array
+    drafts: mx.array,
+    draft_logprobs: mx.array,
+    target_logprobs: mx.array,
+    key: mx.array | None = None,
 ) -> mx.array:
-    """matches[i]: draft i is accepted, with probability min(1, p(x) / q(x))."""
+    """matches[i]: draft i is accepted, with probability min(1, p(x) / q(x)) (uniforms
+    drawn with `key`, or from the global state without one)."""
     index = drafts[:, None]
     p_x = mx.exp(mx.take_along_axis(target_logprobs[: len(drafts)], index, axis=-1)[:, 0])
     q_x = mx.exp(mx.take_along_axis(draft_logprobs, index, axis=-1)[:, 0])
-    return mx.random.uniform(shape=p_x.shape) * q_x < p_x
+    return mx.random.uniform(shape=p_x.shape, key=key) * q_x < p_x
 
 
-def residual_sample(target_logprobs: mx.array, draft_logprobs: mx.array) -> mx.array:
+def residual_sample(
+    target_logprobs: mx.array, draft_logprobs: mx.array, key: mx.array | None = None
+) -> mx.array:
     """A sample of normalize(max(0, p - q)): the token emitted where a draft was rejected."""
     p, q = mx.exp(target_logprobs), mx.exp(draft_logprobs)
     residual = mx.maximum(p - q, 0.0)
     # p == q leaves no residual, but then the draft is always accepted: sample p instead.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
-    return mx.random.categorical(mx.log(residual))
+    return mx.random.categorical(mx.log(residual), key=key)
 
 
 def leading(matches: mx.array) -> mx.array:
@@ -143,12 +154,18 @@ class Verifier:
     before it, i.e. `context` (the tokens before row 0) + the block's tokens
     before row i. Drafts are then proposed one row after another through the
     same processors, so they follow what the target will choose.
+
+    With a `key` (`mx.random.key(seed)`) the verifier owns a random stream: every draw
+    it makes takes a fresh subkey split from it, on the device, so its draws do not
+    depend on what else samples in between. Without one it draws from MLX's global
+    state (`mx.random.seed`). A custom `sampler` draws wherever it draws.
     """
 
     transform: Callable[[mx.array], mx.array] | None = None  # None: greedy
     rule: str = "speculative"
     sampler: Sampler | None = None  # a user's own sampler (match rule only)
     processors: list[LogitsProcessor] = field(default_factory=list)
+    key: mx.array | None = None  # its own random stream; None: MLX's global state
 
     def propose(
         self, logits: mx.array, context: list[int] | None = None
@@ -191,7 +208,15 @@ class Verifier:
         if self.transform is None:
             return mx.argmax(logits, axis=-1), None
         logprobs = self.transform(logits)
-        return mx.random.categorical(logprobs), logprobs
+        return mx.random.categorical(logprobs, key=self._next_key()), logprobs
+
+    def _next_key(self) -> mx.array | None:
+        """A fresh subkey for one draw, the stream keeping the other half (lazily: no
+        host read); None without a stream, to draw from the global state."""
+        if self.key is None:
+            return None
+        self.key, subkey = mx.random.split(self.key)
+        return subkey
 
     def verify(
         self,
@@ -205,12 +230,14 @@ class Verifier:
         target_logits = self.process(target_logits, context, drafts)
         if draft_logprobs is not None and self.rule == "speculative" and drafts.size:
             target_logprobs = self.transform(target_logits)
-            matches = speculative_accept(drafts, draft_logprobs, target_logprobs)
-            bonus = mx.random.categorical(target_logprobs[-1])
+            matches = speculative_accept(drafts, draft_logprobs, target_logprobs, self._next_key())
+            bonus = mx.random.categorical(target_logprobs[-1], key=self._next_key())
             accepted = leading(matches)
             row = mx.minimum(accepted, drafts.size - 1)  # the rejected position, if any
             residual = residual_sample(
-                mx.take(target_logprobs, row, axis=0), mx.take(draft_logprobs, row, axis=0)
+                mx.take(target_logprobs, row, axis=0),
+                mx.take(draft_logprobs, row, axis=0),
+                self._next_key(),
             )
             token = mx.where(accepted < drafts.size, residual, bonus)
             return Verdict(matches, accepted, token, target_logits)
@@ -228,17 +255,24 @@ def make_verifier(
     sampler: Sampler | None = None,
     acceptance: str = "speculative",
     processors: list[LogitsProcessor] | None = None,
+    seed: int | None = None,
 ) -> Verifier:
     """The verifier for mlx-lm-style sampling settings (greedy at temperature 0) and
-    logits processors (mlx-lm's `make_logits_processors`)."""
+    logits processors (mlx-lm's `make_logits_processors`); with a `seed`, one that draws
+    from its own stream from that seed."""
     if acceptance not in RULES:
         raise ValueError(f"acceptance must be one of {RULES}, got {acceptance!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+    if seed is not None and sampler is not None:
+        raise ValueError("a seed cannot reach a custom sampler's draws; seed it yourself")
     processors = list(processors or [])
     if sampler is not None:
         return Verifier(rule="match", sampler=sampler, processors=processors)
+    key = None if seed is None else mx.random.key(seed)
     if temperature == 0:
-        return Verifier(processors=processors)
+        return Verifier(processors=processors, key=key)
     transform = make_logprobs_transform(temperature, top_p, top_k, min_p)
-    return Verifier(transform, acceptance, processors=processors)
+    return Verifier(transform, acceptance, processors=processors, key=key)

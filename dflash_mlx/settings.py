@@ -31,7 +31,11 @@ class GenerationSettings:
     chooses a chain or a tree by measured cost (`AdaptiveStrategy`); `prompt_lookup`
     grafts the prompt lookup's chain onto every tree.
     Sampling follows mlx-lm's `make_sampler`; `acceptance` is the rule for sampled
-    drafts; `logits_processors` are mlx-lm's."""
+    drafts; `logits_processors` are mlx-lm's. With a `seed` (0 to 2**32 - 1) every random
+    draw comes from these settings' own stream from that seed instead of MLX's global
+    state, so a seeded reply is the same whatever samples beside it; replies made with
+    one settings object continue its stream, and a copy with changes (`but`) starts
+    its own."""
 
     max_tokens: int = 256
     block_size: int | None = None
@@ -45,6 +49,7 @@ class GenerationSettings:
     sampler: Sampler | None = None
     acceptance: str = "speculative"
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    seed: int | None = None
     # the rule that proposes drafts and accepts them under these sampling settings
     verifier: Verifier = field(init=False, repr=False, compare=False)
 
@@ -64,6 +69,7 @@ class GenerationSettings:
             self.sampler,
             self.acceptance,
             self.logits_processors,
+            self.seed,
         )
         object.__setattr__(self, "verifier", verifier)
 

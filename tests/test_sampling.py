@@ -66,13 +66,16 @@ def test_nucleus_is_mlx_lms_top_p_bit_for_bit(top_p):
         assert np.array_equal(ours.view(np.int32), theirs.view(np.int32)), shape
 
 
-def test_speculative_verify_emits_the_target_distribution():
+@pytest.mark.parametrize("seed", [None, 9])
+def test_speculative_verify_emits_the_target_distribution(seed):
+    """From the global random state, and from a verifier's own stream (`key`)."""
     rng = np.random.default_rng(0)
     vocab, k = 6, 2
     p = rng.dirichlet(np.ones(vocab), size=k + 1)
     q = rng.dirichlet(np.ones(vocab), size=k)
     p_log, q_log = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
-    verifier = Verifier(transform=lambda logits: logits)  # the "logits" are log p already
+    key = None if seed is None else mx.random.key(seed)
+    verifier = Verifier(transform=lambda logits: logits, key=key)  # "logits": log p already
     mx.random.seed(1)
     first, second, third, accepted = [], [], [], []
     for _ in range(6000):
@@ -134,15 +137,23 @@ def test_generation_is_exact_in_distribution(loaded, setting):
     assert chi2_pvalue(np.array([t[1] for t in tokens]), expected) > SIGNIFICANCE
 
 
-def sample_runs(model, drafter, tokenizer, prompt, block_size: int, **setting):
+def sample_runs(model, drafter, tokenizer, prompt, block_size: int, seeded=False, **setting):
     """The tokens of 600 generations of one full cycle after the prefill, and how many
-    drafts each one's cycle accepted. 600 is enough: a residual drawn from p instead of
-    max(p - q, 0) fails the block-of-four check with p-values of 1e-5 to 1e-12."""
+    drafts each one's cycle accepted (`seeded`: generation i with seed i, its own stream).
+    600 is enough: a residual drawn from p instead of max(p - q, 0) fails the block-of-four
+    check with p-values of 1e-5 to 1e-12."""
     tokens, accepted = [], []
-    for _ in range(600):
+    for run in range(600):
         responses = list(
             stream_generate(
-                model, drafter, tokenizer, prompt, block_size, max_tokens=block_size + 1, **setting
+                model,
+                drafter,
+                tokenizer,
+                prompt,
+                block_size,
+                max_tokens=block_size + 1,
+                seed=run if seeded else None,
+                **setting,
             )
         )
         tokens.append([t for r in responses for t in r.tokens])
@@ -255,6 +266,7 @@ class NoisyBlockOracleDraft(DFlashDraft):
 
 BLOCK4 = {
     "speculative": dict(temperature=0.8, top_k=5, min_p=0.05),
+    "speculative-seeded": dict(temperature=0.8, top_k=5, min_p=0.05, seeded=True),
     "match": dict(temperature=1.0, top_k=4, acceptance="match"),
     "custom-sampler": dict(sampler=make_sampler(1.0, top_k=4)),
 }
@@ -264,12 +276,15 @@ BLOCK4 = {
 @pytest.mark.parametrize("name", BLOCK4)
 def test_block_of_four_is_exact_in_distribution(loaded, name):
     """Tokens 3 and 4 come from accepted drafts, resamples or bonus tokens: each marginal
-    must be the target's own, whatever the acceptance rule or sampler."""
+    must be the target's own, whatever the acceptance rule or sampler, and across replies
+    seeded 0, 1, 2, ... each from its own stream."""
     model, tokenizer, draft = loaded("llama-tied-gqa")
     setting = BLOCK4[name]
     prompt = [0, 39, 259, 28]
     law = dict(temperature=1.0, top_k=4) if "sampler" in setting else setting
-    transform = make_logprobs_transform(**{k: v for k, v in law.items() if k != "acceptance"})
+    transform = make_logprobs_transform(
+        **{k: v for k, v in law.items() if k not in ("acceptance", "seeded")}
+    )
     expected = exact_marginals(model, prompt, transform, 4)
     drafter = NoisyBlockOracleDraft(draft, model, prompt, seed=1)
     mx.random.seed(4)
