@@ -18,7 +18,10 @@ import argparse
 import statistics
 import time
 
-import dflash_mlx  # noqa: F401  (binds OpenBLAS before mlx is imported)
+# isort: off
+import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
+
+# isort: on
 import mlx.core as mx
 import numpy as np
 from serve_clients import float32_smollm2_dir
@@ -27,9 +30,9 @@ from dflash_mlx import load
 from dflash_mlx.target import TargetAdapter
 
 
-def timed(run) -> float:
+def timed(run, *args) -> float:
     start = time.perf_counter()
-    mx.eval(run())
+    mx.eval(run(*args))
     return time.perf_counter() - start
 
 
@@ -65,21 +68,21 @@ def main() -> None:
         for cache in caches[:b]:
             target.rollback(cache, n)
 
-    step = statistics.median(timed(lambda: separate(1, 1)) for _ in range(args.repeats))
+    step = statistics.median(timed(separate, 1, 1) for _ in range(args.repeats))
     print(f"one plain step: {1e3 * step:.2f} ms")
     print("rows positions | shared ms (steps) | separate ms (steps) | separate / shared")
     for b in rows:
         for n in positions:
             times = {"shared": [], "separate": []}
             for _ in range(args.repeats):
-                times["shared"].append(timed(lambda: shared(b, n)))
-                times["separate"].append(timed(lambda: separate(b, n)))
+                times["shared"].append(timed(shared, b, n))
+                times["separate"].append(timed(separate, b, n))
             s, p = (statistics.median(times[k]) for k in ("shared", "separate"))
-            print(
-                f"{b:4d} {n:9d} | {1e3 * s:8.2f} ({s / step:5.2f}) | {1e3 * p:8.2f} ({p / step:5.2f})"
-                f" | {p / s:5.2f}",
-                flush=True,
+            shared_ms, separate_ms = (
+                f"{1e3 * s:8.2f} ({s / step:5.2f})",
+                f"{1e3 * p:8.2f} ({p / step:5.2f})",
             )
+            print(f"{b:4d} {n:9d} | {shared_ms} | {separate_ms} | {p / s:5.2f}", flush=True)
 
 
 if __name__ == "__main__":

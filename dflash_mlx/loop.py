@@ -156,18 +156,23 @@ class Batch:
             reply.seq.proposer.committed(commit.tokens)
 
     def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
-        """The next cycle of every reply going on: one shared cycle, or each its own step
-        (which reads and records the features of the forward it runs)."""
-        if len(going_on) > 1 and self.chain is not None and self._shareable():
-            for reply, commit in going_on:
+        """The next cycle of every reply going on: one cycle shared by those that may share
+        (`_shares`) when there are several, each of the others its own step's (which reads
+        and records the features of the forward it runs)."""
+        sharing = [(r, c) for r, c in going_on if self._shares(r)] if self.chain else []
+        if len(sharing) > 1:
+            for reply, commit in sharing:
                 if commit.queued:
                     reply.step.cancel(commit.queued)
-            roots = [(reply, commit.tokens[-1]) for reply, commit in going_on]
+            roots = [(reply, commit.tokens[-1]) for reply, commit in sharing]
             self.shared = self.chain.launch(roots, self.sink)
-            return
+            going_on = [(r, c) for r, c in going_on if (r, c) not in sharing]
         for reply, commit in going_on:
-            reply.pending = commit.queued or reply.step.launch(commit.tokens[-1], reply.remaining)
-            self._keep_features(reply)
+            if commit.queued:  # launched as its step settled
+                reply.pending = commit.queued
+            else:
+                reply.pending = reply.step.launch(commit.tokens[-1], reply.remaining)
+                self._keep_features(reply)
 
     def _keep_features(self, reply: Reply) -> None:
         """After a forward of the reply's own step: the features its step reads next. One
@@ -175,8 +180,15 @@ class Batch:
         read); each of several keeps its own forward's, which the next one's overwrites."""
         reply.seq.features = dict(self.sink) if len(self.replies) > 1 else self.sink
 
-    def _shareable(self) -> bool:
-        return all(batchable(r.seq.cache) for r in self.replies)
+    @staticmethod
+    def _shares(reply: Reply) -> bool:
+        """Whether the reply may verify in a shared cycle: its caches can share a forward,
+        and its tokens do not depend on the cycle's shape. A greedy reply's never do, nor
+        those of one sampling from the global random state; a seeded sampled reply runs the
+        cycles it would run alone, so the seed alone decides its reply."""
+        verifier = reply.seq.verifier
+        greedy = verifier.transform is None and verifier.sampler is None
+        return batchable(reply.seq.cache) and (greedy or verifier.key is None)
 
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:

@@ -500,9 +500,9 @@ class Worker:
         self, job: Job, stop: Callable[[], bool] = lambda: False
     ) -> Iterator[GenerationResponse]:
         """The job's responses, ended early when `stop()` (on every rank under mlx.launch)."""
-        if job.seed is not None:
-            mx.random.seed(job.seed)
         settings = self.defaults.but(**job.kwargs)
+        if job.seed is not None:  # its own stream: the other requests' draws never touch it
+            settings = settings.but(seed=job.seed)
         if job.settings:
             processors = make_logits_processors(**{**self.processor_settings, **job.settings})
             settings = settings.but(logits_processors=processors)

@@ -1,0 +1,65 @@
+"""Concurrent requests decoded together by the server (`--max-batch`): they share verify
+forwards, each reply is its own greedy reply, a seeded sampled reply is the same alone and
+beside others, and `--max-batch 1` decodes one at a time."""
+
+import json
+import threading
+
+import pytest
+from test_cli import greedy_text
+from test_server import PROMPTS, in_background, post, serving, wait_for
+
+from dflash_mlx import GenerationSettings
+from dflash_mlx.server import Worker
+
+
+def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, **extra}).encode()
+    status, answer = post(port, "/v1/completions", body)
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
+
+
+def burst(worker: Worker, port: int, requests: list[dict]) -> list[str]:
+    """`requests` sent together once the worker is held busy, so that all of them wait and
+    then start in one batch."""
+    busy = threading.Event()
+    worker.executor.submit(busy.wait)
+    try:
+        futures = [in_background(lambda r=r: completion(port, **r)) for r in requests]
+        wait_for(lambda: worker.pending == len(requests), "the requests to queue")
+    finally:
+        busy.set()
+    return [f.result(timeout=300) for f in futures]
+
+
+@pytest.mark.parametrize("max_batch", [4, 1])
+def test_concurrent_requests_share_cycles_and_get_their_own_replies(loaded, max_batch):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=24), max_batch=max_batch)
+    requests = [{"prompt": p, "max_tokens": 12 + 3 * i} for i, p in enumerate(PROMPTS[:6])]
+    with serving(worker) as port:
+        texts = burst(worker, port, requests)
+        wait_for(lambda: worker.pending == 0, "the batch to drain")
+    expected = [greedy_text(loaded, r["prompt"], r["max_tokens"], chat=False)[0] for r in requests]
+    assert texts == expected
+    shared = worker.batch.chain.policy.by_rows
+    if max_batch == 1:
+        assert not shared  # one at a time: no cycle was shared
+    else:
+        assert max(shared) == max_batch and shared[max_batch].cycles > 0
+    assert not worker.batch.replies and worker.batch.held is None
+
+
+def test_a_seeded_sampled_reply_is_the_same_alone_and_beside_others(loaded):
+    """Each in a fresh server: a prompt cache carries what adapting learned, and with it the
+    cycles' shapes, to the conversation's next request."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    seeded = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "seed": 42}
+    others = [{"prompt": p, "max_tokens": 16, "temperature": 1.0} for p in PROMPTS[1:4]]
+    texts = []
+    for requests in ([seeded], [seeded, *others], [*others, seeded]):
+        worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=16), max_batch=4)
+        with serving(worker) as port:
+            texts.append(dict(zip(map(id, requests), burst(worker, port, requests)))[id(seeded)])
+    assert texts[0] == texts[1] == texts[2] != ""
