@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .adaptive import BatchedBlock
+from .proposers import observe_rows, propose_chains
 from .sampling import Verdict
 from .steps import Commit, Reply
 from .target import TargetAdapter
@@ -60,18 +61,26 @@ class BatchedChain:
         rows (fewer for a reply near its end or capped lower), one verify forward."""
         started = time.perf_counter()
         drafts = self.policy.plan(len(roots))
-        rows, blocks = [], []
+        wanted, contexts = [], []
         for reply, root in roots:
             seq = reply.seq
             cap = drafts if reply.max_drafts is None else min(drafts, reply.max_drafts)
-            wanted = min(cap, reply.remaining - 1) if seq.proposer.layer_ids else 0
-            context = seq.tokens + [root] if seq.verifier.processors else None
+            wanted.append(min(cap, reply.remaining - 1) if seq.proposer.layer_ids else 0)
+            contexts.append(seq.tokens + [root] if seq.verifier.processors else None)
+        drafting = [i for i, n in enumerate(wanted) if n > 0]
+        chains = propose_chains(
+            [roots[i][0].seq.proposer for i in drafting],
+            [roots[i][1] for i in drafting],
+            [wanted[i] for i in drafting],
+            [contexts[i] for i in drafting],
+        )
+        proposed = dict(zip(drafting, chains))
+        rows, blocks = [], []
+        for i, (reply, root) in enumerate(roots):
             root_id = mx.array([root], dtype=mx.uint32)
-            chain, logq = mx.array([], dtype=mx.uint32), None
-            if wanted > 0:
-                chain, logq = seq.proposer.chain(root_id, wanted, context)
-                chain = chain.astype(mx.uint32)
-            rows.append((reply, root, chain, logq, context))
+            chain, logq = proposed.get(i, (mx.array([], dtype=mx.uint32), None))
+            chain = chain.astype(mx.uint32)
+            rows.append((reply, root, chain, logq, contexts[i]))
             blocks.append((root, mx.concatenate([root_id, chain])))
         positions = max(block.size for _, block in blocks)
         tokens = mx.stack(
@@ -103,16 +112,20 @@ class BatchedChain:
             drafts, accepted, token = read[3 * i : 3 * i + 3]
             seq = reply.seq
             seq.target.rollback(seq.cache, cycle.positions - accepted - 1)
-            layer_ids = seq.proposer.layer_ids
-            if layer_ids:
-                kept = [cycle.features[j][i : i + 1, : accepted + 1] for j in layer_ids]
-                seq.proposer.observe(mx.concatenate(kept, axis=-1))
             seq.tokens.extend([row.root, *drafts[:accepted]])
             logits = row.verdict.logits[: accepted + 1]
             commits.append(
                 (reply, Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1))
             )
             tried.append((row.size - 1, accepted))
+        observing = [i for i, r in enumerate(cycle.replies) if r.seq.proposer.layer_ids]
+        if observing:
+            layer_ids = cycle.replies[observing[0]].seq.proposer.layer_ids
+            features = mx.concatenate([cycle.features[j] for j in layer_ids], axis=-1)
+            if len(observing) < len(cycle.replies):
+                features = features[mx.array(observing)]
+            proposers = [cycle.replies[i].seq.proposer for i in observing]
+            observe_rows(proposers, features, [tried[i][1] + 1 for i in observing])
         seconds = time.perf_counter() - cycle.started
         self.policy.record(len(cycle.rows), cycle.positions, tried, seconds)
         return commits

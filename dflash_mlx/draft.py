@@ -43,6 +43,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from . import backends
 from .kernels import block_attention
+from .rows import RowCaches, row_caches
 from .swaps import Swap
 from .tree import Tree, build_selector_tree, build_tree, ranked_edges, top_candidates
 
@@ -368,13 +369,22 @@ class DraftAttention(nn.Module):
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | BlockContext | RowCaches) -> mx.array:
         B, L, _ = x.shape
         offset = cache.offsets if isinstance(cache, BlockContext) else cache.offset
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, offset)
         if isinstance(cache, BlockContext):
             out = cache.attend(queries, keys, values, self.scale, self.causal, self.sliding_window)
+        elif isinstance(cache, RowCaches):  # several replies' blocks, each over its own context
+            out = mx.concatenate(
+                [
+                    self._attend_cached(
+                        queries[i : i + 1], keys[i : i + 1], values[i : i + 1], c, c.offset
+                    )
+                    for i, c in enumerate(cache.caches)
+                ]
+            )
         else:
             out = self._attend_cached(queries, keys, values, cache, offset)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -603,6 +613,19 @@ class DFlashDraft(nn.Module):
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.keys_values(context, c.offset))
 
+    def append_context_rows(
+        self, target_hidden: mx.array, caches: list[list[KVCache]], counts: list[int]
+    ) -> None:
+        """`append_context` for several replies at once: row i's first `counts[i]` positions
+        of `target_hidden` (rows, n, features) go to `caches[i]` (one fc and one K/V
+        projection per layer for all rows)."""
+        context = self.fuse(target_hidden)
+        for layer, per_row in zip(self.layers, zip(*caches)):
+            offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
+            keys, values = layer.self_attn.keys_values(context, offsets)
+            for i, (c, n) in enumerate(zip(per_row, counts)):
+                c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+
     def __call__(
         self, block_embeddings: mx.array, cache: list[KVCache] | list[BlockContext]
     ) -> mx.array:
@@ -683,6 +706,45 @@ class DFlashDraft(nn.Module):
         hidden = self.mask_hidden(block, embed, cache)
         logits = self.head_logits(hidden, lm_head)
         return self.candidate_selector.walk(hidden, logits, block[0], choose)
+
+    def propose_rows(
+        self,
+        blocks: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        caches: list[list[KVCache]],
+        chooses: list[Callable[..., tuple[mx.array, mx.array | None]]],
+        contexts: list[list[int] | None],
+        lengths: list[int],
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """`propose` for several replies' blocks (rows, L) in one drafter forward, each row
+        over its own context (`caches[i]`) and proposed by its own `chooses[i]`, keeping
+        its first `lengths[i]` drafts. DFlash 2's selector walks row by row."""
+        if "candidate_selector" in self:
+            return self.propose_each(blocks, embed, lm_head, caches, chooses, contexts, lengths)
+        with backends.building(self.block_swaps(backends.current())):
+            hidden = self(self.embed_blocks(embed, blocks), row_caches(caches))[:, 1:]
+        logits = self.head_logits(hidden, lm_head)
+        return [
+            choose(logits[i, :n], context)
+            for i, (choose, context, n) in enumerate(zip(chooses, contexts, lengths))
+        ]
+
+    def propose_each(
+        self,
+        blocks: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        caches: list[list[KVCache]],
+        chooses: list[Callable[..., tuple[mx.array, mx.array | None]]],
+        contexts: list[list[int] | None],
+        lengths: list[int],
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """`propose_rows` as one `propose` per row, for proposals that are walks."""
+        return [
+            self.propose(blocks[i, : n + 1], embed, lm_head, cache, choose, context)
+            for i, (cache, choose, context, n) in enumerate(zip(caches, chooses, contexts, lengths))
+        ]
 
     def tree(
         self,

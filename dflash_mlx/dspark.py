@@ -422,6 +422,10 @@ class DSparkDraft(DFlashDraft):
         keep = confident_length(self.confidence(hidden, prev).tolist(), self.verify_cost)
         return tokens[:keep], None if logq is None else logq[:keep]
 
+    def propose_rows(self, *args, **kwargs) -> list[tuple[mx.array, mx.array | None]]:
+        """Row by row: the Markov walk and the confidence head follow each row's own drafts."""
+        return self.propose_each(*args, **kwargs)
+
     def walk(
         self,
         hidden: mx.array,

@@ -45,6 +45,12 @@ class Proposer:
         """A tree of up to `budget` draft tokens after `root`, at most `depth` deep."""
         return Tree([root], [-1], [0])
 
+    @property
+    def drafting(self) -> DrafterProposer | None:
+        """The drafter proposer whose forwards this one's chains and observations may share
+        with other replies' (`propose_chains`, `observe_rows`); None: its own alone."""
+        return None
+
     def verified(self, tree: Tree, path: list[int]) -> None:
         """The target accepted `path` (node indices from the root) of the verified `tree`."""
 
@@ -72,6 +78,10 @@ class DrafterProposer(Proposer):
 
     def tree(self, root: int, depth: int, budget: int) -> Tree:
         return self.draft.tree(root, depth, self.embed, self.head, self.cache, budget)
+
+    @property
+    def drafting(self) -> DrafterProposer:
+        return self
 
 
 def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
@@ -126,7 +136,71 @@ class LookupProposer(Proposer):
         tree, self.nodes = graft(base, *self.lookup.proposal(depth), budget)
         return tree
 
+    @property
+    def drafting(self) -> DrafterProposer | None:
+        return self.base.drafting
+
     def verified(self, tree: Tree, path: list[int]) -> None:
         # a policy may have verified the tree's first nodes only
         self.lookup.record([n if n < len(tree) else -1 for n in self.nodes], path)
         self.base.verified(tree, path)
+
+
+def by_drafter(proposers: list[Proposer]) -> tuple[dict[int, list[int]], list[int]]:
+    """The indices of `proposers` grouped by the drafter module they draft with, and those
+    that draft alone."""
+    groups: dict[int, list[int]] = {}
+    alone = []
+    for i, proposer in enumerate(proposers):
+        drafting = proposer.drafting
+        if drafting is None:
+            alone.append(i)
+        else:
+            groups.setdefault(id(drafting.draft), []).append(i)
+    return groups, alone
+
+
+def propose_chains(
+    proposers: list[Proposer],
+    roots: list[int],
+    lengths: list[int],
+    contexts: list[list[int] | None],
+) -> list[tuple[mx.array, mx.array | None]]:
+    """Each proposer's chain of `lengths[i]` drafts after `roots[i]` (`Proposer.chain`);
+    those drafting with one drafter module share one drafter forward
+    (`DFlashDraft.propose_rows`)."""
+    out: list = [None] * len(proposers)
+    groups, alone = by_drafter(proposers)
+    for i in alone + [g[0] for g in groups.values() if len(g) == 1]:
+        out[i] = proposers[i].chain(mx.array([roots[i]]), lengths[i], contexts[i])
+    for members in (g for g in groups.values() if len(g) > 1):
+        drafters = [proposers[i].drafting for i in members]
+        first, longest = drafters[0], max(lengths[i] for i in members)
+        blocks = mx.array([[roots[i]] + [first.mask] * longest for i in members])
+        proposed = first.draft.propose_rows(
+            blocks,
+            first.embed,
+            first.head,
+            [d.cache for d in drafters],
+            [d.choose for d in drafters],
+            [contexts[i] for i in members],
+            [lengths[i] for i in members],
+        )
+        for i, chain in zip(members, proposed):
+            out[i] = chain
+    return out
+
+
+def observe_rows(proposers: list[Proposer], features: mx.array, counts: list[int]) -> None:
+    """Hand each proposer the target's features (rows, n, ...) of its row's first `counts[i]`
+    positions (`Proposer.observe`); those drafting with one drafter module take them in one
+    drafter pass (`DFlashDraft.append_context_rows`)."""
+    groups, alone = by_drafter(proposers)
+    for i in alone:
+        proposers[i].observe(features[i : i + 1, : counts[i]])
+    for members in groups.values():
+        drafters = [proposers[i].drafting for i in members]
+        rows = features[mx.array(members)] if len(members) < len(proposers) else features
+        rows = rows[:, : max(counts[i] for i in members)]
+        caches = [d.cache for d in drafters]
+        drafters[0].draft.append_context_rows(rows, caches, [counts[i] for i in members])

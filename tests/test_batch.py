@@ -12,6 +12,7 @@ from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.adaptive import BatchedBlock
 from dflash_mlx.batched import BatchedChain
 from dflash_mlx.loop import Batch
+from dflash_mlx.sampling import make_verifier
 from dflash_mlx.target import TargetAdapter
 
 MAX_TOKENS = 40
@@ -137,3 +138,36 @@ def test_a_batch_of_one_is_the_single_reply_path(loaded):
     shared = stream_generate(model, draft, tokenizer, prompt, max_tokens=30, batch=batch)
     assert [r.tokens for r in shared] == alone
     assert not batch.chain.policy.by_rows  # one reply never shares a cycle
+
+
+def test_one_drafter_forward_proposes_for_each_row_what_it_would_alone(loaded):
+    """`append_context_rows` and `propose_rows` against one row at a time, over contexts of
+    different lengths."""
+    model, _, draft = loaded("llama-tied-gqa")
+    target = TargetAdapter(model)
+    head = target.draft_head(draft.config.draft_vocab)
+    width = len(draft.config.target_layer_ids) * target.hidden_size
+    lengths = [5, 9, 2]
+    features = mx.random.normal((3, max(lengths), width), key=mx.random.key(3))
+    alone, together = [draft.make_cache() for _ in lengths], [draft.make_cache() for _ in lengths]
+    for i, (cache, n) in enumerate(zip(alone, lengths)):
+        draft.append_context(features[i : i + 1, :n], cache)
+    draft.append_context_rows(features, together, lengths)
+    for a, t in zip(alone, together):
+        assert [c.offset for c in a] == [c.offset for c in t]
+        assert all(mx.allclose(x.keys, y.keys, atol=1e-5) for x, y in zip(a, t))
+    mask = draft.config.mask_token_id
+    blocks = mx.array([[7, *[mask] * 4], [19, *[mask] * 4], [3, *[mask] * 4]])
+    sample = make_verifier(temperature=1.0).transform
+    choose = lambda logits, context: (mx.argmax(logits, axis=-1), sample(logits))  # noqa: E731
+    rows = draft.propose_rows(
+        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, [4, 4, 4]
+    )
+    for i, (tokens, logq) in enumerate(rows):
+        own_tokens, own_logq = draft.propose(blocks[i], target.embed_tokens, head, alone[i], choose)
+        assert tokens.tolist() == own_tokens.tolist()
+        assert mx.allclose(logq, own_logq, atol=1e-4)
+    shorter = draft.propose_rows(
+        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, [2, 4, 1]
+    )
+    assert [t.size for t, _ in shorter] == [2, 4, 1]
