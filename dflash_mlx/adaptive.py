@@ -228,8 +228,15 @@ class BatchedBlock:
         self.pooled = AdaptiveBlock(self.block_size, fixed_costs={1: 1.0})  # its counts only
 
     def _policy(self, rows: int) -> AdaptiveBlock:
+        """The policy for `rows` rows; a new one starts from the costs measured at the
+        nearest number of rows (its own measurements then take over), so that it does not
+        open with a whole block for every row."""
         if rows not in self.by_rows:
-            self.by_rows[rows] = AdaptiveBlock(self.block_size, pooled=self.pooled)
+            policy = AdaptiveBlock(self.block_size, pooled=self.pooled)
+            if self.by_rows:
+                nearest = min(self.by_rows, key=lambda known: abs(known - rows))
+                policy.seconds = dict(self.by_rows[nearest].seconds)
+            self.by_rows[rows] = policy
         return self.by_rows[rows]
 
     def plan(self, rows: int) -> int:

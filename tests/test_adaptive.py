@@ -18,6 +18,7 @@ from dflash_mlx.adaptive import (
     AdaptiveBlock,
     AdaptiveStrategy,
     AdaptiveTree,
+    BatchedBlock,
     Cycle,
     Plan,
     interpolated_cost,
@@ -76,6 +77,59 @@ def test_policy_settles_near_the_best_fixed_block_size(rates, cost, best):
     assert rate >= 0.93 * max(rates_fixed.values())
     # never worse than the better of plain decoding and the full block, but for exploring
     assert rate >= 0.96 * max(rates_fixed[1], rates_fixed[16])
+
+
+def cpu_batch_cost(rows: int, n: int) -> float:
+    """This CPU's shared cycles (`benchmarks/batched_forward.py`, in plain steps): a forward
+    of rows x n positions costs more with every row and position, drafting adds per row."""
+    return 0.55 + 0.13 * rows * n + (0.1 * rows if n > 1 else 0.0)
+
+
+def gpu_batch_cost(rows: int, n: int) -> float:
+    """A GPU's: reading the weights dominates until hundreds of positions."""
+    return 1.0 + 0.002 * rows * n + (0.3 if n > 1 else 0.0)
+
+
+def simulate_batch(policy: BatchedBlock, rates, cost, rows: int, cycles: int, seed: int = 0):
+    """Shared cycles of `rows` rows, each accepting as `simulate`'s; (tokens per second,
+    the sizes chosen)."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    sizes = []
+    for _ in range(cycles):
+        n = policy.plan(rows) + 1
+        tried = []
+        for _ in range(rows):
+            accepted = 0
+            while accepted < n - 1 and rng.random() < rates[accepted]:
+                accepted += 1
+            tried.append((n - 1, accepted))
+        policy.record(rows, n, tried, cost(rows, n))
+        tokens += sum(a + 1 for _, a in tried)
+        seconds += cost(rows, n)
+        sizes.append(n)
+    return tokens / seconds, sizes
+
+
+@pytest.mark.parametrize(
+    "rates, cost, rows, best",
+    [
+        (WEAK, cpu_batch_cost, 4, {1}),
+        (STRONG, cpu_batch_cost, 4, {3, 4, 5, 6}),
+        (STRONG, gpu_batch_cost, 8, {16}),
+        (NEVER, gpu_batch_cost, 8, {1}),
+    ],
+    ids=["weak-cpu-4", "strong-cpu-4", "strong-gpu-8", "useless-gpu-8"],
+)
+def test_shared_cycles_settle_near_the_best_width_never_far_below_plain(rates, cost, rows, best):
+    policy = BatchedBlock(16)
+    simulate_batch(policy, rates, cost, 2, cycles=100)  # first learned at another row count
+    rate, sizes = simulate_batch(policy, rates, cost, rows, cycles=400, seed=1)
+    settled = sizes[-200:]
+    assert sum(n in best for n in settled) > 0.8 * len(settled), sorted(set(settled))
+    fixed = {n: rows * fixed_rate(rates, lambda m: cost(rows, m), n) for n in range(1, 17)}
+    assert rate >= 0.9 * max(fixed.values())
+    assert rate >= 0.95 * fixed[1]  # plain batched decoding, within the probes' cost
 
 
 def test_policy_follows_a_drafter_that_becomes_useless():
