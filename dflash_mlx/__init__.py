@@ -7,6 +7,7 @@ use_fast_cpu()  # before anything imports mlx: see blas.py
 from .checkpoint import load_draft  # noqa: E402
 from .draft import DFlashConfig, DFlashDraft  # noqa: E402
 from .generate import generate, stream_generate  # noqa: E402
+from .loop import make_batch  # noqa: E402
 from .prompt_cache import PromptCache, make_prompt_cache  # noqa: E402
 from .response import GenerationResponse  # noqa: E402
 from .settings import GenerationSettings  # noqa: E402
@@ -24,6 +25,7 @@ __all__ = [
     "generate",
     "load",
     "load_draft",
+    "make_batch",
     "make_prompt_cache",
     "stream_generate",
 ]

@@ -707,6 +707,12 @@ class DFlashDraft(nn.Module):
         logits = self.head_logits(hidden, lm_head)
         return self.candidate_selector.walk(hidden, logits, block[0], choose)
 
+    @property
+    def walks(self) -> bool:
+        """Whether a proposal is a walk along the block (DFlash 2's selector), each step
+        after the last one's token, rather than one head over it."""
+        return "candidate_selector" in self
+
     def propose_rows(
         self,
         blocks: mx.array,
@@ -719,31 +725,20 @@ class DFlashDraft(nn.Module):
     ) -> list[tuple[mx.array, mx.array | None]]:
         """`propose` for several replies' blocks (rows, L) in one drafter forward, each row
         over its own context (`caches[i]`) and proposed by its own `chooses[i]`, keeping
-        its first `lengths[i]` drafts. DFlash 2's selector walks row by row."""
-        if "candidate_selector" in self:
-            return self.propose_each(blocks, embed, lm_head, caches, chooses, contexts, lengths)
+        its first `lengths[i]` drafts. A drafter whose proposal walks (`walks`) proposes
+        row by row."""
+        if self.walks:
+            rows = zip(caches, chooses, contexts, lengths)
+            return [
+                self.propose(blocks[i, : n + 1], embed, lm_head, cache, choose, context)
+                for i, (cache, choose, context, n) in enumerate(rows)
+            ]
         with backends.building(self.block_swaps(backends.current())):
             hidden = self(self.embed_blocks(embed, blocks), row_caches(caches))[:, 1:]
         logits = self.head_logits(hidden, lm_head)
         return [
             choose(logits[i, :n], context)
             for i, (choose, context, n) in enumerate(zip(chooses, contexts, lengths))
-        ]
-
-    def propose_each(
-        self,
-        blocks: mx.array,
-        embed: Callable[[mx.array], mx.array],
-        lm_head: Callable[[mx.array], mx.array],
-        caches: list[list[KVCache]],
-        chooses: list[Callable[..., tuple[mx.array, mx.array | None]]],
-        contexts: list[list[int] | None],
-        lengths: list[int],
-    ) -> list[tuple[mx.array, mx.array | None]]:
-        """`propose_rows` as one `propose` per row, for proposals that are walks."""
-        return [
-            self.propose(blocks[i, : n + 1], embed, lm_head, cache, choose, context)
-            for i, (cache, choose, context, n) in enumerate(zip(caches, chooses, contexts, lengths))
         ]
 
     def tree(

@@ -422,9 +422,11 @@ class DSparkDraft(DFlashDraft):
         keep = confident_length(self.confidence(hidden, prev).tolist(), self.verify_cost)
         return tokens[:keep], None if logq is None else logq[:keep]
 
-    def propose_rows(self, *args, **kwargs) -> list[tuple[mx.array, mx.array | None]]:
-        """Row by row: the Markov walk and the confidence head follow each row's own drafts."""
-        return self.propose_each(*args, **kwargs)
+    @property
+    def walks(self) -> bool:
+        """Always, for `propose_rows`: the Markov walk and the confidence head follow each
+        row's own drafts."""
+        return True
 
     def walk(
         self,

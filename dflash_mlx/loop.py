@@ -20,9 +20,12 @@ from contextlib import ExitStack
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
+from .adaptive import BatchedBlock
 from .batched import BatchedChain
+from .draft import DFlashDraft
 from .rows import batchable
 from .steps import Commit, Reply, Sequence
 from .target import TargetAdapter
@@ -189,6 +192,14 @@ class Batch:
         verifier = reply.seq.verifier
         greedy = verifier.transform is None and verifier.sampler is None
         return batchable(reply.seq.cache) and (greedy or verifier.key is None)
+
+
+def make_batch(model: nn.Module, draft: DFlashDraft | None) -> Batch:
+    """An empty batch for `stream_generate(..., batch=)` with this target and drafter: replies
+    of it share their cycles, their drafts per cycle chosen by measured cost."""
+    target = TargetAdapter(model)
+    block_size = draft.config.block_size if draft is not None else 1
+    return Batch(target, BatchedChain(target, BatchedBlock(block_size)))
 
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:

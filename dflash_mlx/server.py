@@ -68,13 +68,11 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .adaptive import BatchedBlock
-from .batched import BatchedChain
 from .chat_format import chat_prompt, encode_prompt
 from .connections import GuardedH11, Repeats
 from .distributed import Lockstep, abort, is_backend_error, world_group
 from .generate import stream_generate
-from .loop import Batch
+from .loop import make_batch
 from .prompt_cache import PromptCache, PromptCacheStore, make_prompt_cache
 from .response import GenerationResponse
 from .session import (
@@ -472,8 +470,7 @@ class Worker:
         self.max_queue = max_queue
         self.lockstep = lockstep or Lockstep(None, 0, "serve")
         self.max_batch = max_batch if self.lockstep.group is None else 1
-        block_size = draft.config.block_size if draft is not None else 1
-        self.batch = Batch(target, BatchedChain(target, BatchedBlock(block_size)))
+        self.batch = make_batch(model, draft)
         self.waiting: deque[tuple[Job, threading.Event, Callable]] = deque()
         self.scheduling = False  # whether the worker thread runs `_schedule`
         self.pending = 0  # generations waiting or running

@@ -1,4 +1,4 @@
-"""Several replies decoded together (`loop.Batch` with `batched.BatchedChain`): every
+"""Several replies decoded together (`make_batch`: `loop.Batch` with `batched.BatchedChain`): every
 reply equals its own greedy reply, whatever else shares its cycles, joins or leaves."""
 
 import mlx.core as mx
@@ -6,39 +6,18 @@ import numpy as np
 import pytest
 from helpers import reference_greedy
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from test_generate import OracleDraft
+from test_families import NoisyOracleDraft
 
-from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.adaptive import BatchedBlock
-from dflash_mlx.batched import BatchedChain
-from dflash_mlx.loop import Batch
+from dflash_mlx import make_batch, make_prompt_cache, stream_generate
 from dflash_mlx.sampling import make_verifier
 from dflash_mlx.target import TargetAdapter
 
 MAX_TOKENS = 40
 
 
-class NoisyOracle(OracleDraft):
-    """The true continuation with one draft wrong at a place set by the context length
-    (or none), so rows of one cycle accept different numbers of drafts."""
-
-    def draft_logits(self, block, embed, lm_head, cache):
-        start, n = cache[0].offset, block.shape[0] - 1
-        truth = self.sequence[start + 1 : start + 1 + n]
-        wrong = int(np.random.default_rng(start).integers(0, n + 1))
-        if wrong < n:
-            truth[wrong] = (truth[wrong] + 1) % self.config.vocab_size
-        return 100.0 * mx.eye(self.config.vocab_size)[mx.array(truth)]
-
-
 def prompts(count: int) -> list[list[int]]:
     rng = np.random.default_rng(7)
     return [rng.integers(4, 300, size=int(rng.integers(3, 30))).tolist() for _ in range(count)]
-
-
-def new_batch(model, block_size: int = 16) -> Batch:
-    target = TargetAdapter(model)
-    return Batch(target, BatchedChain(target, BatchedBlock(block_size)))
 
 
 def no_eos(tokenizer) -> TokenizerWrapper:
@@ -65,12 +44,12 @@ def interleave(generators: dict) -> dict:
 def test_batched_replies_equal_their_own_greedy_replies(loaded, name):
     model, tokenizer, draft = loaded(name)
     tokenizer = no_eos(tokenizer)
-    batch = new_batch(model)
+    batch = make_batch(model, draft)
     expected, generators = {}, {}
     for i, prompt in enumerate(prompts(4)):
         truth = reference_greedy(model, prompt, MAX_TOKENS + 16, set())
         expected[i] = truth[:MAX_TOKENS]
-        oracle = NoisyOracle(draft, prompt + truth)
+        oracle = NoisyOracleDraft(draft, prompt + truth)
         generators[i] = stream_generate(
             model, oracle, tokenizer, prompt, max_tokens=MAX_TOKENS, batch=batch
         )
@@ -83,12 +62,12 @@ def test_batched_replies_equal_their_own_greedy_replies(loaded, name):
 def test_replies_join_and_leave_between_cycles(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     tokenizer = no_eos(tokenizer)
-    batch = new_batch(model, block_size=8)
+    batch = make_batch(model, draft)
     texts = prompts(5)
-    truths = [reference_greedy(model, p, MAX_TOKENS + 8, set()) for p in texts]
+    truths = [reference_greedy(model, p, MAX_TOKENS + 16, set()) for p in texts]
 
     def reply(i, **kwargs):
-        oracle = NoisyOracle(draft, texts[i] + truths[i])
+        oracle = NoisyOracleDraft(draft, texts[i] + truths[i])
         return stream_generate(
             model, oracle, tokenizer, texts[i], max_tokens=MAX_TOKENS, batch=batch, **kwargs
         )
@@ -118,7 +97,7 @@ def test_the_shipped_kind_of_drafter_and_plain_rows_share_cycles(loaded):
     """A real (random) drafter and replies without one, at EOS or the token limit."""
     model, tokenizer, draft = loaded("qwen3-tied-gqa")
     eos = set(tokenizer.eos_token_ids)
-    batch = new_batch(model)
+    batch = make_batch(model, draft)
     generators, expected = {}, {}
     for i, prompt in enumerate(prompts(6)):
         limit = 10 + 7 * i
@@ -134,7 +113,7 @@ def test_a_batch_of_one_is_the_single_reply_path(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     prompt = prompts(1)[0]
     alone = [r.tokens for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=30)]
-    batch = new_batch(model)
+    batch = make_batch(model, draft)
     shared = stream_generate(model, draft, tokenizer, prompt, max_tokens=30, batch=batch)
     assert [r.tokens for r in shared] == alone
     assert not batch.chain.policy.by_rows  # one reply never shares a cycle
