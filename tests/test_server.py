@@ -510,6 +510,7 @@ def test_full_wait_queue_answers_503_with_retry_after(loaded):
     "flag, value, message",
     [
         ("--max-queue", "-1", "--max-queue must be at least 0"),
+        ("--max-batch", "0", "--max-batch must be at least 1"),
         ("--max-connections", "0", "--max-connections must be at least 1"),
         ("--request-timeout", "0", "--request-timeout must be above 0"),
     ],
