@@ -52,14 +52,12 @@ def test_concurrent_requests_share_cycles_and_get_their_own_replies(loaded, max_
 
 
 def test_a_seeded_sampled_reply_is_the_same_alone_and_beside_others(loaded):
-    """Each in a fresh server: a prompt cache carries what adapting learned, and with it the
-    cycles' shapes, to the conversation's next request."""
     model, tokenizer, draft = loaded("llama-tied-gqa")
     seeded = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "seed": 42}
     others = [{"prompt": p, "max_tokens": 16, "temperature": 1.0} for p in PROMPTS[1:4]]
-    texts = []
-    for requests in ([seeded], [seeded, *others], [*others, seeded]):
-        worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=16), max_batch=4)
-        with serving(worker) as port:
-            texts.append(dict(zip(map(id, requests), burst(worker, port, requests)))[id(seeded)])
-    assert texts[0] == texts[1] == texts[2] != ""
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=16), max_batch=4)
+    with serving(worker) as port:
+        alone = completion(port, **seeded)
+        beside = burst(worker, port, [seeded, *others])[0]
+        after = burst(worker, port, [*others, seeded])[-1]
+    assert alone == beside == after != ""
