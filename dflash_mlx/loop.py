@@ -15,6 +15,7 @@ nothing of text, time or what proposes the drafts.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -73,16 +74,25 @@ class Batch:
     def add(self, reply: Reply) -> None:
         """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
         layer_ids = reply.seq.proposer.layer_ids
-        if self.held is None:
-            self.held = ExitStack()
-            self.held.enter_context(wired_limit(self.target.model))
-        if layer_ids and self.layer_ids is None:
-            self.layer_ids = layer_ids
-            self.sink = self.held.enter_context(self.target.capture(layer_ids, self.caches))
-        elif layer_ids and layer_ids != self.layer_ids:
+        joining = filter(None, (r.seq.proposer.layer_ids for r in self.joining))
+        taps = self.layer_ids or next(joining, None)
+        if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")
         self.caches.update(map(id, reply.seq.cache))
         self.joining.append(reply)
+
+    def _hold(self) -> None:
+        """Before a cycle with replies joining: the target's weights wired and, once a reply
+        taps its layers, the capture open."""
+        if self.held is None:
+            self.held = ExitStack()
+            self.held.enter_context(wired_limit(self.target.model))
+        taps = next(
+            (r.seq.proposer.layer_ids for r in self.joining if r.seq.proposer.layer_ids), None
+        )
+        if taps and self.layer_ids is None:
+            self.layer_ids = taps
+            self.sink = self.held.enter_context(self.target.capture(taps, self.caches))
 
     def remove(self, reply: Reply) -> None:
         """Drop `reply` (finished, or its consumer gone): a cycle launched for it is undone
@@ -116,6 +126,8 @@ class Batch:
             raise
 
     def _cycle(self) -> None:
+        if self.joining:
+            self._hold()
         committed: list[tuple[Reply, Commit]] = []
         if self.shared is not None:
             committed += self.chain.settle(self.shared)
@@ -204,11 +216,20 @@ def make_batch(model: nn.Module, draft: DFlashDraft | None) -> Batch:
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:
     """`reply`'s commits: the prefill's token first, then one per cycle, the last with its
-    `finish` reason. Whoever finds the reply's commits consumed runs the batch's next
-    cycle, which advances every reply in it. Closing the iterator drops the reply; the
-    caches then hold the prompt and the reply after, but for its last token
-    (`prompt_cache.tokens` lists what they hold)."""
+    `finish` reason. The reply joins the batch now, so replies made before the next cycle
+    start it together; whoever finds its reply's commits consumed runs the batch's next
+    cycle, which advances every reply in it. Closing the iterator (or dropping it) takes
+    the reply out; its caches then hold the prompt and the reply after, but for its last
+    token (`prompt_cache.tokens` lists what they hold)."""
     batch.add(reply)
+    commits = _commits(batch, reply)
+    # dropped unread (never started, so no `finally` runs): out of the batch at once; only
+    # the caller's code drops it, never a cycle, which holds no reference to it
+    weakref.finalize(commits, batch.remove, reply)
+    return commits
+
+
+def _commits(batch: Batch, reply: Reply) -> Iterator[Commit]:
     try:
         while True:
             while not reply.commits:

@@ -1,15 +1,18 @@
 """Several replies decoded together (`make_batch`: `loop.Batch` with `batched.BatchedChain`): every
 reply equals its own greedy reply, whatever else shares its cycles, joins or leaves."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import reference_greedy
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_families import NoisyOracleDraft
+from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token
 
-from dflash_mlx import make_batch, make_prompt_cache, stream_generate
-from dflash_mlx.sampling import make_verifier
+from dflash_mlx import DFlashDraft, make_batch, make_prompt_cache, stream_generate
+from dflash_mlx.sampling import make_logprobs_transform, make_verifier
 from dflash_mlx.target import TargetAdapter
 
 MAX_TOKENS = 40
@@ -150,3 +153,47 @@ def test_one_drafter_forward_proposes_for_each_row_what_it_would_alone(loaded):
         blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, [2, 4, 1]
     )
     assert [t.size for t, _ in shorter] == [2, 4, 1]
+
+
+@pytest.mark.slow
+def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded):
+    """600 replies in shared cycles of 4 rows, one draft each from the (random) drafter with
+    its logits scaled down (so that its q overlaps the target's p), accepted by speculative
+    sampling: each reply's second token follows the target's own law."""
+    model, tokenizer, random_draft = loaded("llama-tied-gqa")
+    draft = DFlashDraft(dataclasses.replace(random_draft.config, output_multiplier=0.02))
+    draft.update(random_draft.parameters())
+    prompt = [0, 39, 259, 28]  # a prompt whose next-token distribution is broad
+    expected = exact_second_token(model, prompt, make_logprobs_transform(temperature=1.0))
+    mx.random.seed(11)
+    seconds, accepted = [], []
+    for _ in range(150):
+        batch = make_batch(model, draft)
+        batch.chain.policy.plan = lambda rows: 1  # every shared cycle drafts one per row
+        generators = [
+            stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=3, temperature=1.0, batch=batch
+            )
+            for _ in range(4)
+        ]  # the four join the batch's first cycle: prefills, then one shared cycle
+        replies = [[next(g) for g in generators] for _ in range(2)]
+        assert max(batch.chain.policy.by_rows) == 4
+        seconds += [r.tokens[0] for r in replies[1]]
+        accepted += [r.accepted for r in replies[1]]
+    assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran
+    assert chi2_pvalue(np.array(seconds), expected) > SIGNIFICANCE
+
+
+def test_a_reply_dropped_unread_leaves_its_batch(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    batch = make_batch(model, draft)
+    kept = stream_generate(model, draft, tokenizer, [5, 6, 7], max_tokens=6, batch=batch)
+    dropped = stream_generate(model, draft, tokenizer, [8, 9], max_tokens=6, batch=batch)
+    assert len(batch.joining) == 2  # both join the next cycle
+    next(kept)
+    assert len(batch.replies) == 2  # that cycle prefilled both
+    del dropped  # never read: out at once, its caches as its tokens say
+    assert len(batch.replies) == 1
+    list(kept)
+    assert batch.held is None  # the model is free for the next generation
+    assert list(stream_generate(model, draft, tokenizer, [8, 9], max_tokens=6))
