@@ -6,10 +6,11 @@ cycles launched before (one device read each), prefills the replies that joined,
 replies at an EOS token (kept) or at their `max_tokens`, and launches the next cycle
 before the commits are consumed, so the consumer's work overlaps the device's. One
 reply takes its own step (`steps.py`: chains, trees, the prompt lookup, queued plain
-steps), and so does each reply of a target whose caches cannot share a forward; several
-replies of a target that can (`rows.batchable`) share one verify forward per cycle
-(`batched.py`). A single generation is a batch of one (`replies`). The loop knows
-nothing of text, time or what proposes the drafts.
+steps); several replies share one verify forward per cycle (`batched.py`) where their
+caches can (`rows.batchable`) and their tokens do not depend on the cycle's shape
+(`Batch._shares`), and the others take their own steps in turn. A single generation is
+a batch of one (`replies`). The loop knows nothing of text, time or what proposes the
+drafts.
 """
 
 from __future__ import annotations
