@@ -2,9 +2,11 @@
 
     python benchmarks/batched_forward.py                     # rows 1,2,4,8; positions 1,2,3,4,8
     python benchmarks/batched_forward.py --rows 4 --positions 1,4 --repeats 20
+    python benchmarks/batched_forward.py --shape qwen3-8b --dtype bfloat16   # a GPU
 
-SmolLM2-135M-Instruct in float32 (as `serve_clients.py` loads it), each row with its own
-cache of a `--context`-token prompt. Per (rows, positions) it times, alternated in one run,
+SmolLM2-135M-Instruct in float32 (as `serve_clients.py` loads it), or random weights in a
+published shape (`--shape`, `cycle_cost.py`'s), each row with its own cache of a
+`--context`-token prompt. Per (rows, positions) it times, alternated in one run,
 one shared forward over every row's positions against the rows' separate forwards
 (the same work one at a time), both evaluated to the logits, and prints milliseconds
 and both as multiples of one plain decoding step (1 row, 1 position): what the batch
@@ -24,7 +26,7 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 import mlx.core as mx
 import numpy as np
-from serve_clients import float32_smollm2_dir
+from cycle_cost import DTYPES, SHAPES, random_target
 
 from dflash_mlx import load
 from dflash_mlx.target import TargetAdapter
@@ -42,25 +44,35 @@ def main() -> None:
     parser.add_argument("--positions", default="1,2,3,4,8")
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="random weights in this shape")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args()
-    model, _ = load(float32_smollm2_dir())
+    if args.shape:
+        model = random_target(args.shape)
+        model.set_dtype(DTYPES[args.dtype])
+        mx.eval(model.parameters())
+    else:
+        from serve_clients import float32_smollm2_dir  # imports the openai client
+
+        model, _ = load(float32_smollm2_dir())
     target = TargetAdapter(model)
+    vocab = target.vocab_size
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     positions = [int(p) for p in args.positions.split(",")]
     caches = []
     for _ in range(max(rows)):
         cache = target.make_cache()
-        mx.eval(target.forward(mx.array(rng.integers(100, 40000, args.context)), cache))
+        mx.eval(target.forward(mx.array(rng.integers(0, vocab, args.context)), cache))
         caches.append(cache)
 
     def shared(b: int, n: int) -> mx.array:
-        out = target.forward_rows(mx.array(rng.integers(100, 40000, (b, n))), caches[:b])
+        out = target.forward_rows(mx.array(rng.integers(0, vocab, (b, n))), caches[:b])
         target_rollback(b, n)
         return out
 
     def separate(b: int, n: int) -> list[mx.array]:
-        outs = [target.forward(mx.array(rng.integers(100, 40000, n)), c) for c in caches[:b]]
+        outs = [target.forward(mx.array(rng.integers(0, vocab, n)), c) for c in caches[:b]]
         target_rollback(b, n)
         return outs
 

@@ -18,7 +18,8 @@
 #
 # Steps (each bounded by `timeout`, its log under $OUT, a summary line in $OUT/summary.txt):
 #   cycle_cost.py for the Qwen3-4B and Qwen3-8B shapes in bf16 and 4-bit (cycle in mlx-lm steps,
-#   the loop at block 1, drafter / verify / host split, trees of 4, 8 and 16); the quantized
+#   the loop at block 1, drafter / verify / host split, trees of 4, 8 and 16);
+#   batched_forward.py (a verify forward shared by 1-8 replies, Qwen3-8B shape, bf16); the quantized
 #   kernel's tests (tests/test_cuda_quantized.py); cuda_linear.py (the few-rows kernels against
 #   MLX's products, bf16 and 4-bit); `pytest -m cuda`; tests/test_reads.py; and
 #   `dflash-mlx bench` on SmolLM2 for the identity column and top-2 gaps.
@@ -81,6 +82,15 @@ for shape in $SHAPES; do
   step "cycle-$shape-4bit" 150 python3 benchmarks/cycle_cost.py --shape "$shape" "${SIZE[@]}" \
     -q 4 --json "$OUT/cycle-$shape-4bit.json"
 done
+# what a verify forward shared by several replies costs: do extra positions stay nearly free
+# for 4-8 rows here, as a shared cycle's drafting needs (on the CPU they do not)?
+if [ "$DRY" = 0 ]; then
+  step batched-forward 150 python3 benchmarks/batched_forward.py --shape qwen3-8b \
+    --dtype bfloat16 --rows 1,4,8 --positions 1,2,4,8,16 --repeats 5
+else
+  step batched-forward 60 python3 benchmarks/batched_forward.py --shape tiny --rows 1,4 \
+    --positions 1,4 --repeats 2
+fi
 # the files with the cuda tests and the read counts alone: the others import the web and test
 # stacks (fastapi, openai, pexpect, scipy) that the GPU image lacks; no xdist there either
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts=)
