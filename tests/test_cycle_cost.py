@@ -154,3 +154,22 @@ def test_cuda_linear_runs_where_mlx_has_a_gpu_and_says_why_not_elsewhere():
     else:
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert "needs MLX's CUDA backend" in proc.stderr
+
+
+def test_batched_forward_reports_every_rows_and_positions_pair():
+    """benchmarks/batched_forward.py, a real run on random weights: one line per (rows,
+    positions) pair, every time positive."""
+    script = SCRIPT.parent / "batched_forward.py"
+    args = ["--shape", "tiny", "--rows", "1,3", "--positions", "1,2", "--repeats", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--context", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SCRIPT.parent,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 3]
+    pairs = [tuple(map(int, cells[0].split())) for cells in rows[1:]]
+    assert pairs == [(1, 1), (1, 2), (3, 1), (3, 2)]
+    assert all(float(cells[k].split()[0]) > 0 for cells in rows[1:] for k in (1, 2, 3))
