@@ -550,16 +550,17 @@ class Worker:
         running: list[Running] = []
         while True:
             with self._pending_lock:
-                while self.waiting and len(running) < self.max_batch:
-                    running += filter(None, [self._start(*self.waiting.popleft())])
-                if not running:
+                room = min(len(self.waiting), self.max_batch - len(running))
+                admitted = [self.waiting.popleft() for _ in range(room)]
+                if not running and not admitted:
                     self.scheduling = False
                     return
+            running += filter(None, [self._start(*waiting) for waiting in admitted])
             running = [r for r in running if self._advance(r)]
 
     def _start(self, job: Job, stop: threading.Event, put: Callable) -> Running | None:
         """The request's running generation, or None when it ended before starting."""
-        started = Running(job, stop, put, iter(()))
+        started = Running(job, stop, put, (response for response in ()))
         if stop.is_set():  # the client left while waiting its turn
             self._end(started)
             return None

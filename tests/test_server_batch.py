@@ -3,7 +3,9 @@ forwards, each reply is its own greedy reply, a seeded sampled reply is the same
 beside others, and `--max-batch 1` decodes one at a time."""
 
 import json
+import socket
 import threading
+import time
 
 import pytest
 from test_cli import greedy_text
@@ -11,6 +13,8 @@ from test_server import PROMPTS, in_background, post, serving, wait_for
 
 from dflash_mlx import GenerationSettings
 from dflash_mlx.server import Worker
+
+JSON = "application/json"
 
 
 def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
@@ -61,3 +65,44 @@ def test_a_seeded_sampled_reply_is_the_same_alone_and_beside_others(loaded):
         beside = burst(worker, port, [seeded, *others])[0]
         after = burst(worker, port, [*others, seeded])[-1]
     assert alone == beside == after != ""
+
+
+def test_a_client_gone_while_waiting_is_skipped(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=6), max_batch=2)
+    with serving(worker) as port:
+        busy = threading.Event()
+        worker.executor.submit(busy.wait)
+        try:
+            body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 6}).encode()
+            gone = socket.create_connection(("127.0.0.1", port), timeout=10)
+            head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + JSON
+            gone.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_for(lambda: worker.pending == 1, "the request to wait")
+            gone.close()  # its client leaves before its turn
+            time.sleep(0.5)
+        finally:
+            busy.set()
+        wait_for(lambda: worker.pending == 0, "the worker to skip it")
+        assert completion(port, PROMPTS[2], 6) == greedy_text(loaded, PROMPTS[2], 6, chat=False)[0]
+
+
+def test_a_request_failing_in_the_worker_fails_alone(loaded):
+    """A generation that fails as it starts, in the worker thread (here: made to), answers
+    its request with the error and leaves the worker serving the others."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=6), max_batch=2)
+    generate = worker.generate
+
+    def failing(job, *args):
+        if job.kwargs.get("max_tokens") == 5:
+            raise ValueError("this generation cannot start")
+        return generate(job, *args)
+
+    worker.generate = failing
+    with serving(worker) as port:
+        body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 5}).encode()
+        status, answer = post(port, "/v1/completions", body)
+        assert status == 500 and "cannot start" in answer["error"]["message"]
+        wait_for(lambda: worker.pending == 0, "the worker to go on")
+        assert completion(port, PROMPTS[3], 6) == greedy_text(loaded, PROMPTS[3], 6, chat=False)[0]
