@@ -91,8 +91,9 @@ class Step(Protocol):
         """Read the cycle and commit what was accepted; `started`: when the last one ended."""
 
     def cancel(self, pending: Any) -> None:
-        """Drop a cycle `settle` queued (`Commit.queued`) that the reply no longer needs;
-        only steps that queue are asked."""
+        """Drop a launched cycle the reply no longer needs (one `settle` queued,
+        `Commit.queued`, or any cycle of a reply that leaves): its positions leave the
+        caches."""
 
 
 @dataclass(eq=False)
@@ -270,6 +271,9 @@ class TreeStep:
             self.policy.record(Cycle(len(tree) - 1, accepted, seconds, probabilities, path))
         return Commit(tokens[1:] + [after], logits, accepted, len(tree) - 1)
 
+    def cancel(self, pending: PendingTree) -> None:
+        self.seq.target.rollback(self.seq.cache, len(pending.tree))
+
 
 class SwitchStep:
     """Each cycle a chain or a tree, as the policy plans it (`AdaptiveStrategy`).
@@ -304,7 +308,5 @@ class SwitchStep:
         return step.settle(pending, remaining, started)
 
     def cancel(self, pending: PendingChain | PendingTree) -> None:
-        if isinstance(pending, PendingChain):
-            self.chain.cancel(pending)
-        else:  # a tree a plain step queued: its forward went through the caches
-            self.chain.seq.target.rollback(self.chain.seq.cache, len(pending.tree))
+        step = self.tree if isinstance(pending, PendingTree) else self.chain
+        step.cancel(pending)

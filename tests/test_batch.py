@@ -205,3 +205,18 @@ def test_a_reply_dropped_unread_leaves_its_batch(loaded):
     list(kept)
     assert batch.held is None  # the model is free for the next generation
     assert list(stream_generate(model, draft, tokenizer, [8, 9], max_tokens=6))
+
+
+@pytest.mark.parametrize("settings", [dict(tree_budget=4), dict(block_size=4), {}])
+def test_a_reply_closed_with_a_cycle_launched_keeps_its_caches_whole(loaded, settings):
+    """Closed between two responses, whatever step launched its next cycle (a tree, a chain,
+    the default's choice), the reply's caches hold exactly what its tokens list."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    cache = make_prompt_cache(model, draft)
+    reply = stream_generate(
+        model, draft, tokenizer, prompts(1)[0], max_tokens=30, prompt_cache=cache, **settings
+    )
+    next(reply), next(reply)
+    reply.close()
+    assert {c.offset for c in cache.target} == {len(cache.tokens)}
+    assert {c.offset for c in cache.draft} == {len(cache.tokens)}
