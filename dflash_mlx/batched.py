@@ -46,7 +46,6 @@ class SharedCycle:
     rows: list[Row]
     positions: int
     features: dict[int, mx.array]
-    drafts: int
     started: float
 
 
@@ -96,10 +95,11 @@ class BatchedChain:
             size = chain.size + 1
             verdict = reply.seq.verifier.verify(chain, logq, logits[i, :size], context)
             out.append(Row(root, size, chain, verdict))
-        mx.async_eval([part for row in out for part in (row.drafts, row.verdict.accepted)])
-        mx.async_eval([row.verdict.token for row in out])
+        mx.async_eval(
+            [p for row in out for p in (row.drafts, row.verdict.accepted, row.verdict.token)]
+        )
         replies = [reply for reply, *_ in rows]
-        return SharedCycle(replies, out, positions, features, drafts, started)
+        return SharedCycle(replies, out, positions, features, started)
 
     def settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
         """Read every row's verdict at once and commit each reply's accepted prefix."""

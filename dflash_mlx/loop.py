@@ -74,9 +74,7 @@ class Batch:
 
     def add(self, reply: Reply) -> None:
         """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
-        layer_ids = reply.seq.proposer.layer_ids
-        joining = filter(None, (r.seq.proposer.layer_ids for r in self.joining))
-        taps = self.layer_ids or next(joining, None)
+        layer_ids, taps = reply.seq.proposer.layer_ids, self.layer_ids or self._joining_taps()
         if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")
         self.caches.update(map(id, reply.seq.cache))
@@ -88,12 +86,14 @@ class Batch:
         if self.held is None:
             self.held = ExitStack()
             self.held.enter_context(wired_limit(self.target.model))
-        taps = next(
-            (r.seq.proposer.layer_ids for r in self.joining if r.seq.proposer.layer_ids), None
-        )
+        taps = self._joining_taps()
         if taps and self.layer_ids is None:
             self.layer_ids = taps
             self.sink = self.held.enter_context(self.target.capture(taps, self.caches))
+
+    def _joining_taps(self) -> list[int] | None:
+        """The target layers the first joining reply that taps any taps."""
+        return next(filter(None, (r.seq.proposer.layer_ids for r in self.joining)), None)
 
     def remove(self, reply: Reply) -> None:
         """Drop `reply` (finished, or its consumer gone): a cycle launched for it is undone
@@ -108,7 +108,6 @@ class Batch:
                 reply.step.cancel(reply.pending)
             reply.pending = None
         self.caches.difference_update(map(id, reply.seq.cache))
-        reply.finished = True
         if not self.replies and not self.joining and self.held is not None:
             self.held.close()
             self.held, self.sink, self.layer_ids = None, {}, None

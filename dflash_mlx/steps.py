@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,15 +62,6 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_cache.tokens
 
-    @contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Record the target layers the proposer taps on every forward through `cache`."""
-        if not self.proposer.layer_ids:
-            yield
-            return
-        with self.target.capture(self.proposer.layer_ids, self.cache) as self.features:
-            yield
-
     def keep(self, rows: int | list[int] | None) -> None:
         """Hand the proposer the features of the last forward's first `rows` positions (all:
         None; a tree's accepted path: its node indices)."""
@@ -111,7 +100,6 @@ class Reply:
     generated: int = 0
     pending: Any = None
     started: float = 0.0
-    finished: bool = False
     error: Exception | None = None  # what failed a cycle of its batch
 
     @property
