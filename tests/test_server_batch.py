@@ -5,7 +5,6 @@ beside others, and `--max-batch 1` decodes one at a time."""
 import json
 import socket
 import threading
-import time
 
 import pytest
 from test_cli import greedy_text
@@ -80,7 +79,7 @@ def test_a_client_gone_while_waiting_is_skipped(loaded):
             gone.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(lambda: worker.pending == 1, "the request to wait")
             gone.close()  # its client leaves before its turn
-            time.sleep(0.5)
+            wait_for(lambda: worker.waiting[0][1].is_set(), "the server to see it leave")
         finally:
             busy.set()
         wait_for(lambda: worker.pending == 0, "the worker to skip it")
