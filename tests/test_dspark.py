@@ -3,6 +3,8 @@ Markov walk, the confidence truncation and the Markov trees follow DeepSpec's re
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -499,3 +501,26 @@ def test_info_says_what_the_dspark_drafter_is(dspark_pair, capsys):
     for line in ("drafter", "DSpark"), ("layout", "speculators"), ("slots (γ)", "5, 6 positions"):
         assert any(row.startswith(line[0]) and line[1] in row for row in out.splitlines()), line
     assert "rank 8, vanilla" in out and "on h and W1[prev]" in out and "200 of 320" in out
+
+
+def test_drafters_benchmark_compares_dflash_and_dspark_in_one_run(dspark_pair, make_pair, tmp_path):
+    """benchmarks/drafters.py, a real run: both drafters on the same prompts, each reply
+    equal to mlx-lm's, per-category and overall rows."""
+    target, dspark = dspark_pair("dspark")
+    _, dflash = make_pair("qwen3-untied-mha")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "drafters.py"
+    out = tmp_path / "drafters.json"
+    args = [str(dflash), str(dspark), "--model", str(target), "--limit", "3"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--max-tokens", "12", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["drafters"]
+    assert list(results) == [str(dflash), str(dspark)]
+    for rows in results.values():
+        assert rows["all"]["prompts"] == 3 and rows["all"]["identical"] == 3
+        assert rows["all"]["tau"] >= 1 and rows["all"]["decode_tps"] > 0
+        assert sum(r["prompts"] for c, r in rows.items() if c != "all") == 3
