@@ -35,11 +35,12 @@ def summary(runs: list, ar_runs: list) -> dict:
     """τ, acceptance, decode tok/s, the speedup over mlx-lm and identical outputs of `runs`
     (a drafter's runs on some prompts; `ar_runs`: mlx-lm's on the same)."""
     cycles = [c for r in runs for c in r.cycles]
+    accepted = acceptance(cycles)
     fast, slow = throughput(runs), throughput(ar_runs)
     return {
         "prompts": len(runs),
-        "tau": acceptance(cycles)["tau"],
-        "acceptance": acceptance(cycles)["per_position"][:3],
+        "tau": accepted["tau"],
+        "acceptance": accepted["per_position"][:3],
         "drafts_per_cycle": statistics.mean(p for _, _, p in cycles),
         "decode_tps": fast["decode_tps"],
         "ar_decode_tps": slow["decode_tps"],
@@ -78,8 +79,9 @@ def main() -> None:
         )
         return lambda: stream_generate(model, draft, tokenizer, ids, settings=settings)
 
-    for make in [ar] + [lambda ids, p=p: chain(p, ids) for p in drafts]:  # warm up
-        measure(make(encoded[0]))
+    measure(ar(encoded[0]))  # warm up
+    for path in drafts:
+        measure(chain(path, encoded[0]))
     ar_runs, runs = [], {path: [] for path in drafts}
     for p, ids in zip(prompts, encoded):
         ar_runs.append(measure(ar(ids)))

@@ -8,12 +8,10 @@ import threading
 
 import pytest
 from test_cli import greedy_text
-from test_server import PROMPTS, in_background, post, serving, wait_for
+from test_server import JSON, PROMPTS, in_background, post, serving, wait_for
 
 from dflash_mlx import GenerationSettings
 from dflash_mlx.server import Worker
-
-JSON = "application/json"
 
 
 def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
@@ -75,7 +73,8 @@ def test_a_client_gone_while_waiting_is_skipped(loaded):
         try:
             body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 6}).encode()
             gone = socket.create_connection(("127.0.0.1", port), timeout=10)
-            head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + JSON
+            head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            head += JSON["Content-Type"]
             gone.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(lambda: worker.pending == 1, "the request to wait")
             gone.close()  # its client leaves before its turn
