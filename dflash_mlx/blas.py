@@ -19,6 +19,14 @@ products of up to 32 rows against a weight matrix, a decoding step's and a verif
 forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
 weight matrix on every call. Everything else goes on to OpenBLAS. Set
 DFLASH_MLX_NO_FEW_ROWS=1 to bind OpenBLAS alone.
+
+Both thread pools are told to sleep, not spin, while they wait for work (`QUIET_THREADS`,
+unless the environment sets them, or sets GOMP_SPINCOUNT): OpenMP's idle threads otherwise
+spin a while after each product and OpenBLAS's ~0.1 s after each call (a verify forward's
+attention products are such calls), holding cores that the main thread, or other programs,
+need. On a machine that other programs keep busy, spinning threads made decoding several
+times slower (benchmarks/README.md, "A busy machine"). These are read once, when each
+library starts, so they are set before either is loaded.
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ _active: str | None = None
 _reason = "not attempted"
 _kernel: str | None = None
 _kernel_reason = "not attempted"
+_spinning = ""  # why idle OpenMP threads still spin, where they do
+
+# Idle threads sleep at once instead of spinning (OpenBLAS: 2**4 cycles instead of 2**28).
+QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def use_fast_cpu() -> None:
@@ -64,6 +76,12 @@ def use_fast_cpu() -> None:
     if "mlx.core" in sys.modules:
         _reason = "mlx was imported before dflash_mlx; import dflash_mlx first"
         return
+    global _spinning
+    if "OMP_WAIT_POLICY" not in os.environ and _loaded("libgomp"):
+        _spinning = "OpenMP started before dflash_mlx: idle threads spin (import dflash_mlx first)"
+    for name, value in QUIET_THREADS.items():
+        if not (name == "OMP_WAIT_POLICY" and "GOMP_SPINCOUNT" in os.environ):
+            os.environ.setdefault(name, value)  # before OpenMP and OpenBLAS start
     for path in CANDIDATES:
         if os.path.exists(path):
             try:  # locally first: the kernel must come before it in the global scope
@@ -79,6 +97,15 @@ def use_fast_cpu() -> None:
             _reason = "loaded"
             return
     _reason = "no OpenBLAS found (apt-get install libopenblas0-pthread)"
+
+
+def _loaded(name: str) -> bool:
+    """Whether a library whose file name starts with `name` is loaded in this process."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(f"/{name}" in line for line in maps)
+    except OSError:
+        return False
 
 
 def _kernel_library() -> ctypes.CDLL | None:
@@ -126,7 +153,8 @@ def _compile(compiler: str, flags: list[str], path: Path) -> None:
 def active_blas() -> str:
     """Which BLAS MLX's CPU matmuls use, in words (for `dflash-mlx info`)."""
     if _active:
-        return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}"
+        spinning = f"; {_spinning}" if _spinning else ""
+        return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}{spinning}"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return f"MLX bundled reference BLAS ({_reason})"

@@ -69,11 +69,14 @@ def test_scaled_accumulating_batched_and_strided_products():
 
 
 def _in_process(code: str, **env: str) -> str:
+    """`code`'s output in a fresh Python whose environment is this one's (less the thread
+    settings importing dflash_mlx here made) with `env` over it."""
+    own = {k: v for k, v in os.environ.items() if k not in blas.QUIET_THREADS}
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        env={**os.environ, **env},
+        env={**own, **env},
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
@@ -208,3 +211,34 @@ def test_verify_forward_benchmark_runs_on_a_model_dir(make_pair):
     for variant in ("mlx-lm forward", "verify forward"):
         for stat in ("median", "min"):
             assert re.search(rf"{variant}, {stat} +[\d.]+ \(1\.00\) +[\d.]+ \([\d.]+\)", out)
+
+
+IDLE = """
+import os, resource, time
+import dflash_mlx, mlx.core as mx
+print(os.environ.get("OMP_WAIT_POLICY"), os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+print(dflash_mlx.active_blas())
+a, w = mx.ones((4, 1536)), mx.ones((4608, 1536))  # the few-row kernel, threaded
+big = mx.ones((256, 1536))  # OpenBLAS, threaded
+for _ in range(3):
+    mx.eval(a @ w.T, big @ w.T)
+used = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+before = used()
+time.sleep(0.5)
+print(used() - before)
+"""
+
+
+@needs_kernel
+def test_idle_kernel_threads_sleep_instead_of_spinning():
+    """Between products the few-row kernel's and OpenBLAS's threads sleep (a busy machine's
+    cores go to whoever needs them), unless the environment chose otherwise."""
+    quiet, binding, idle_cpu = _in_process(IDLE).splitlines()
+    assert quiet == "PASSIVE 4" and "few-row kernel in front" in binding
+    assert float(idle_cpu) < 0.05  # CPU seconds used by the process while it slept 0.5 s
+    chosen = _in_process(IDLE, OMP_WAIT_POLICY="active", OPENBLAS_THREAD_TIMEOUT="20")
+    assert chosen.splitlines()[0] == "active 20"
+    assert _in_process(IDLE, GOMP_SPINCOUNT="1000").splitlines()[0] == "None 4"
+    first = "import ctypes.util, ctypes; ctypes.CDLL(ctypes.util.find_library('gomp'))\n"
+    late = _in_process(first + IDLE).splitlines()[1]
+    assert "OpenMP started before dflash_mlx" in late

@@ -1,0 +1,114 @@
+"""DFlash against mlx-lm on a machine other processes keep busy, as users' machines are.
+
+For each number of busy processes (`--busy`: pure-Python spin loops, one core each) and each
+thread setting (`--settings`), a fresh `dflash-mlx bench` process runs mlx-lm and DFlash
+interleaved on the same prompts (library default, the shipped drafter), so every figure is a
+side-by-side ratio from one process. A fresh process per setting, because OpenMP reads its
+wait policy and thread count once, when it starts.
+
+    python benchmarks/busy_machine.py --busy 0,1,3 --limit 6 --max-tokens 64
+    python benchmarks/busy_machine.py --settings default,spin,one-thread --busy 1
+
+Settings: `default` (as shipped: idle threads sleep), `spin` (OpenMP's and OpenBLAS's own
+defaults, as before the library chose: idle threads spin a while), `omp-spin` (OpenMP's
+default alone), `one-thread` (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DRAFTER = Path(__file__).resolve().parents[1] / "dflash_mlx" / "drafters" / "smollm2-135m-instruct"
+SETTINGS = {
+    "default": {},
+    # the libraries' own defaults: OpenMP's idle threads spin 300,000 rounds, OpenBLAS's 2**28
+    # cycles (each yielding the core between rounds)
+    "spin": {"GOMP_SPINCOUNT": "300000", "OPENBLAS_THREAD_TIMEOUT": "28"},
+    "omp-spin": {"GOMP_SPINCOUNT": "300000"},
+    "one-thread": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+}
+SPIN = "while True: pass"
+
+
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """`count` processes that each keep a core busy until killed."""
+    return [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
+
+
+def bench_once(env: dict[str, str], args: argparse.Namespace) -> dict:
+    """One `dflash-mlx bench` process under `env`: its overall figures."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "bench.json"
+        command = [
+            sys.executable, "-m", "dflash_mlx.bench", "--draft", str(args.draft),
+            "--limit", str(args.limit), "--max-tokens", str(args.max_tokens),
+            "--no-split", "--out", str(out),
+        ]  # fmt: skip
+        if args.temp:
+            command += ["--temp", str(args.temp)]
+        done = subprocess.run(
+            command, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"bench failed: {done.stderr.strip()[-500:]}")
+        return json.loads(out.read_text())["overall"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--busy", default="0,1", help="busy processes beside the bench, e.g. 0,1,3")
+    parser.add_argument("--settings", default="default,spin", help=",".join(SETTINGS))
+    parser.add_argument("--draft", default=str(DRAFTER))
+    parser.add_argument("--limit", type=int, default=6, help="the bench suite's first N prompts")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}; known: {', '.join(SETTINGS)}")
+
+    rows = []
+    print(f"{'busy':>4} {'setting':>10} | {'mlx-lm tok/s':>12} {'DFlash tok/s':>12} "
+          f"{'x mlx-lm':>8} {'tau':>5} {'identical':>9} {'load':>5}")  # fmt: skip
+    for busy in [int(b) for b in args.busy.split(",")]:
+        for name in names:
+            spinners = busy_processes(busy)
+            try:
+                time.sleep(0.5)
+                result = bench_once(SETTINGS[name], args)
+            finally:
+                for p in spinners:
+                    p.kill()
+                    p.wait()
+            load = os.getloadavg()[0]
+            row = {
+                "busy": busy,
+                "setting": name,
+                "ar_tps": result["ar"]["decode_tps"],
+                "dflash_tps": result["dflash"]["decode_tps"],
+                "speedup": result["speedup_decode"],
+                "tau": result["acceptance"]["tau"],
+                "identical": f"{result['identical']}/{result['prompts']}",
+                "load": load,
+            }
+            rows.append(row)
+            print(
+                f"{busy:>4} {name:>10} | {row['ar_tps']:>12.1f} {row['dflash_tps']:>12.1f} "
+                f"{row['speedup']:>7.2f}x {row['tau']:>5.2f} {row['identical']:>9} {load:>5.1f}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
