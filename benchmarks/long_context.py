@@ -2,11 +2,12 @@
 
 One prompt per context length: Python standard-library source (read from this
 machine, cut to the length with the target's tokenizer) followed by a request
-to explain it, in the chat template. For each drafter window (none, then each
-`--windows` value) the bench harness runs mlx-lm's AR decode and DFlash
-interleaved on the same prompts, so every speedup is a side-by-side ratio.
+to explain it, in the chat template. For each drafter window (`--windows`: 0 is the
+whole context, "default" the drafter's own) the bench harness runs mlx-lm's AR decode
+and DFlash (library default) interleaved on the same prompts, so every speedup and
+time-to-first-token ratio is side by side.
 
-    python benchmarks/long_context.py [--lengths 2048,8000] [--windows 256,1024]
+    python benchmarks/long_context.py [--lengths 2048,4096,8000] [--windows default,0,256]
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def long_prompt(tokenizer, length: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", default="dflash_mlx/drafters/smollm2-135m-instruct")
-    parser.add_argument("--lengths", default="2048,8000")
-    parser.add_argument("--windows", default="256,1024")
+    parser.add_argument("--lengths", default="2048,4096,8000")
+    parser.add_argument("--windows", default="default,0,256")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
@@ -56,8 +57,8 @@ def main() -> None:
         {"id": f"ctx-{n}", "category": "long", "prompt": long_prompt(tokenizer, n)} for n in lengths
     ]
     results = {}
-    for window in [None] + [int(w) for w in args.windows.split(",")]:
-        draft = load_draft(args.draft, context_window=window)
+    for window in args.windows.split(","):
+        draft = load_draft(args.draft, context_window=None if window == "default" else int(window))
         run = bench(model, tokenizer, draft, prompts, max_tokens=args.max_tokens, split=False)
         results[str(window)] = run
         for r in run["prompts"]:
@@ -65,7 +66,9 @@ def main() -> None:
                 f"window {str(window):>5} {r['id']:>9} ({r['prompt_tokens']} tokens): "
                 f"tau {r['acceptance']['tau']:.2f}  AR {r['ar']['decode_tps']:.1f} tok/s  "
                 f"DFlash {r['dflash']['decode_tps']:.1f} tok/s  "
-                f"speedup {r['speedup_decode']:.2f}x  identical {r['identical']}",
+                f"speedup {r['speedup_decode']:.2f}x  "
+                f"TTFT {r['dflash']['ttft_s']:.2f} s / {r['ar']['ttft_s']:.2f} s  "
+                f"identical {r['identical']}",
                 flush=True,
             )
     if args.out:

@@ -1,15 +1,16 @@
-"""Sampled generation against mlx-lm: today's default beside it with MLX's own exp.
+"""Sampled generation against mlx-lm: the library default under each acceptance rule.
 
     python benchmarks/sampled.py                      # SmolLM2-135M + the shipped drafter
     python benchmarks/sampled.py --rounds 3 --max-tokens 96
+    python benchmarks/sampled.py --rules speculative coupled --mlx-exp
 
-Per prompt and setting, interleaved: mlx-lm's `stream_generate` with its `make_sampler`;
-this project's loop as it runs by default (block sizes chosen from the acceptance against
-the backend's fixed cycle costs, top-p sorted by numpy on the CPU, the full-vocabulary
-normalisations through `cpu_math`'s exp on the CPU); and the same loop normalising with
-`mx.logsumexp` ("mlx exp", the default before `cpu_math`). Each run starts from the same
-seed; the default one runs twice to check that a seeded sampled run is reproducible.
-Reports median decode tok/s and the ratio to mlx-lm.
+Per prompt and setting, interleaved in one process: mlx-lm's `stream_generate` with its
+`make_sampler`; this project's loop as it runs by default (chains or trees chosen per cycle:
+by the clock under the coupled rule, from the backend's fixed cycle costs under the others)
+with `acceptance` set to each rule of `--rules`; with `--mlx-exp`, the default rule's loop
+normalising with `mx.logsumexp` (the default before `cpu_math`). Each run starts from the
+same seed; every rule's runs twice to check that a seeded sampled run is reproducible.
+Reports median decode tok/s, the ratio to mlx-lm and tau (tokens per verify cycle).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def mlx_lm_rate(model, tokenizer, ids: list[int], seed: int, max_tokens: int, **
 
 
 def dflash_run(model, draft, tokenizer, ids: list[int], seed: int, **kwargs):
-    """(tokens, decode tok/s) of one seeded run of the loop."""
+    """(tokens, decode tok/s, tokens per cycle) of one seeded run of the loop."""
     mx.random.seed(seed)
     responses = list(stream_generate(model, draft, tokenizer, ids, **kwargs))
-    return [t for r in responses for t in r.tokens], responses[-1].generation_tps
+    tokens = [t for r in responses for t in r.tokens]
+    tau = (len(tokens) - len(responses[0].tokens)) / max(1, len(responses) - 1)
+    return tokens, responses[-1].generation_tps, tau
 
 
 def main() -> None:
@@ -62,34 +65,45 @@ def main() -> None:
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rules", nargs="+", default=["speculative", "coupled"])
+    parser.add_argument("--mlx-exp", action="store_true", help="also normalise with MLX's exp")
     args = parser.parse_args()
 
     model, tokenizer = load(args.model or smollm2_model_dir())
     draft = load_draft(args.draft)
     default_logsumexp = sampling.logsumexp
     for setting in SETTINGS:
-        rates = {"mlx-lm": [], "default": [], "mlx exp": []}
+        rates: dict[str, list[float]] = {"mlx-lm": [], **{rule: [] for rule in args.rules}}
+        taus: dict[str, list[float]] = {rule: [] for rule in args.rules}
+        if args.mlx_exp:
+            rates["mlx exp"] = []
         reproducible = True
         for r in range(args.rounds):
             for i, prompt in enumerate(PROMPTS):
                 ids, seed = render(tokenizer, prompt, chat=True), 100 * r + i
                 run = dict(seed=seed, max_tokens=args.max_tokens, **setting)
                 rates["mlx-lm"].append(mlx_lm_rate(model, tokenizer, ids, **run))
-                first, _ = dflash_run(model, draft, tokenizer, ids, **run)
-                again, rate = dflash_run(model, draft, tokenizer, ids, **run)
-                reproducible &= first == again
-                rates["default"].append(rate)
-                sampling.logsumexp = lambda x: mx.logsumexp(x, axis=-1, keepdims=True)
-                try:
-                    _, rate = dflash_run(model, draft, tokenizer, ids, **run)
-                finally:
-                    sampling.logsumexp = default_logsumexp
-                rates["mlx exp"].append(rate)
+                for rule in args.rules:
+                    first, _, _ = dflash_run(model, draft, tokenizer, ids, acceptance=rule, **run)
+                    again, rate, tau = dflash_run(
+                        model, draft, tokenizer, ids, acceptance=rule, **run
+                    )
+                    reproducible &= first == again
+                    rates[rule].append(rate)
+                    taus[rule].append(tau)
+                if args.mlx_exp:
+                    sampling.logsumexp = lambda x: mx.logsumexp(x, axis=-1, keepdims=True)
+                    try:
+                        _, rate, _ = dflash_run(model, draft, tokenizer, ids, **run)
+                    finally:
+                        sampling.logsumexp = default_logsumexp
+                    rates["mlx exp"].append(rate)
         base = statistics.median(rates["mlx-lm"])
         print(f"{setting}: seeded reruns identical: {reproducible}")
         for name, values in rates.items():
             median = statistics.median(values)
-            print(f"  {name:8s} {median:6.2f} tok/s  ({median / base:.2f}x mlx-lm)")
+            tau = f"  tau {statistics.mean(taus[name]):.2f}" if name in taus else ""
+            print(f"  {name:12s} {median:6.2f} tok/s  ({median / base:.2f}x mlx-lm){tau}")
 
 
 if __name__ == "__main__":

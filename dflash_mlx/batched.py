@@ -66,6 +66,7 @@ class BatchedChain:
             cap = drafts if reply.max_drafts is None else min(drafts, reply.max_drafts)
             wanted.append(min(cap, reply.remaining - 1) if seq.proposer.layer_ids else 0)
             contexts.append(seq.tokens + [root] if seq.verifier.processors else None)
+            seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
         drafting = [i for i, n in enumerate(wanted) if n > 0]
         chains = propose_chains(
             [roots[i][0].seq.proposer for i in drafting],

@@ -70,6 +70,18 @@ NOTE = (
 )
 
 
+def chosen_prompts(args: argparse.Namespace) -> list[dict[str, str]]:
+    """The prompts `--prompts`, `--category` and `--limit` choose (a one-line error for a
+    category no prompt has)."""
+    prompts = load_prompts(args.prompts or PROMPTS_FILE)
+    if args.category is not None:
+        categories = sorted({str(p.get("category")) for p in prompts})
+        prompts = [p for p in prompts if p.get("category") == args.category]
+        if not prompts:
+            raise ValueError(f"no prompt of category {args.category!r}; there are {categories}")
+    return prompts[: args.limit]
+
+
 def load_prompts(path: str | Path = PROMPTS_FILE) -> list[dict[str, str]]:
     """Prompts from a JSON list of strings or of {"prompt", "id"?, "category"?} objects."""
     items = json.loads(Path(path).read_text())
@@ -295,13 +307,14 @@ def bench(
     block_size: int | None = None,
     max_tokens: int = 128,
     temperature: float = 0.0,
+    top_p: float = 0.0,
     repeat: int = 1,
     baseline: bool = True,
     split: bool = True,
     chat: bool = True,
     seed: int = 0,
     adaptive: bool | None = None,
-    acceptance_rule: str = "speculative",
+    acceptance_rule: str = "coupled",
     tree_budget: int | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
@@ -309,10 +322,11 @@ def bench(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     max_block = block_size or draft.config.block_size
-    sampler = make_sampler(temperature)
+    sampler = make_sampler(temperature, top_p)
     settings = GenerationSettings(
         block_size=block_size,
         temperature=temperature,
+        top_p=top_p,
         adaptive=adaptive,
         acceptance=acceptance_rule,
         tree_budget=tree_budget,
@@ -519,9 +533,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="default: the drafter's (16 if random)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus when sampling (0: off)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per prompt and system")
     parser.add_argument("--prompts", help="JSON prompt list (default: the built-in suite)")
     parser.add_argument("--limit", type=int, help="use only the first N prompts")
+    parser.add_argument(
+        "--category", help="use only the prompts of this category (coding, math, chat)"
+    )
     parser.add_argument("--no-chat-template", action="store_true", help="use prompts raw")
     parser.add_argument("--no-baseline", action="store_true", help="skip mlx-lm's decoding")
     parser.add_argument("--no-split", action="store_true", help="skip the instrumented pass")
@@ -534,12 +552,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="choose each cycle's block size by measured cost "
         "(default: on for greedy decoding without --block-size)",
     )
-    parser.add_argument("--acceptance", default="speculative", choices=RULES)
+    parser.add_argument("--acceptance", default="coupled", choices=RULES)
     parser.add_argument(
         "--tree-budget", type=int, help="verify trees of up to N draft tokens (tree.py)"
     )
     parser.add_argument(
-        "--draft-window", type=int, help="drafter attends to the last N context positions only"
+        "--draft-window",
+        type=int,
+        help="drafter attends to the last N context positions only (default: the drafter's "
+        "own, where its config sets one; 0: the whole context)",
     )
     parser.add_argument("--seed", type=int, default=0)
     add_trust_remote_code_argument(parser)
@@ -554,7 +575,7 @@ def run(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     group = world_group()  # under mlx.launch: rank 0 reads the prompts and alone writes
-    prompts = share(lambda: load_prompts(args.prompts or PROMPTS_FILE)[: args.limit], group)
+    prompts = share(lambda: chosen_prompts(args), group)
     if args.model is None:
         from .gguf import smollm2_model_dir
 
@@ -595,6 +616,7 @@ def run(args: argparse.Namespace) -> None:
             block_size=args.block_size,
             max_tokens=args.max_tokens,
             temperature=args.temp,
+            top_p=args.top_p,
             repeat=args.repeat,
             baseline=not args.no_baseline,
             split=not args.no_split,
@@ -614,6 +636,7 @@ def run(args: argparse.Namespace) -> None:
             "block_size": args.block_size or draft.config.block_size,
             "max_tokens": args.max_tokens,
             "temperature": args.temp,
+            "top_p": args.top_p,
             "adaptive": args.adaptive,
             "acceptance": args.acceptance,
             "tree_budget": args.tree_budget,

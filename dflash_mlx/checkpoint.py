@@ -81,7 +81,9 @@ def load_draft(
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
-    `context_window` keeps the drafter's attention to the last W context positions.
+    `context_window` keeps the drafter's attention to the last W context positions; None
+    takes the checkpoint's own (`dflash_config.context_window`: about the longest sequence
+    it was trained on, past which its drafts get worse and dearer), 0 the whole context.
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
@@ -92,7 +94,9 @@ def load_draft(
         weights = own_weights(config, weights)
     if full_vocab:
         config.draft_vocab = None
-    model = new_draft(config, kernels, context_window)
+    if context_window is None:
+        context_window = (raw.get("dflash_config") or {}).get("context_window")
+    model = new_draft(config, kernels, context_window or None)
     if config.quantization:
         q = config.quantization
         nn.quantize(

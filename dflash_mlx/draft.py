@@ -749,13 +749,17 @@ class DFlashDraft(nn.Module):
         head: DraftHead,
         cache: list[KVCache],
         budget: int,
+        scores: Callable[[mx.array, list[int] | None], mx.array] | None = None,
     ) -> Tree:
         """The `budget` most likely continuations of `root`, up to `depth` tokens deep
         (`tree.py`). DFlash 1 ranks each position's tokens apart (over the head's own
-        columns); DFlash 2 scores each token given the one before, as its selector walks."""
+        columns), by `scores` of its logits if given (the coupled rule's perturbed
+        log q); DFlash 2 scores each token given the one before, as its selector walks."""
         block = mx.array([root] + [self.config.mask_token_id] * depth)
         if "candidate_selector" in self:
             edges = ranked_edges(*self.selector_edges(block, embed, head, cache))
             return build_selector_tree(root, *edges, budget)
         logits = self.draft_logits(block, embed, head.rows, cache)
+        if scores is not None:
+            logits = scores(logits, head.token_ids)
         return build_tree(root, *top_candidates(logits, budget, head.token_ids), budget)

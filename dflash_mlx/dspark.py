@@ -470,12 +470,17 @@ class DSparkDraft(DFlashDraft):
         head: DraftHead,
         cache: list[KVCache],
         budget: int,
+        scores: Callable[[mx.array, list[int] | None], mx.array] | None = None,
     ) -> Tree:
         """The `budget` best continuations of `root` as the Markov walk scores them: a node's
-        children from its slot's logits plus the bias of the node's own token (one read)."""
+        children from its slot's logits plus the bias of the node's own token (one read).
+        Without a Markov head the slots' logits rank apart, by `scores` of them if given
+        (`DFlashDraft.tree`); with one, each node's children are ranked by the walk's own."""
         hidden = self.slot_hidden(mx.array([root]), depth, embed, cache)
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
+            if scores is not None:
+                logits = scores(logits, head.token_ids)
             return build_tree(root, *top_candidates(logits, budget, head.token_ids), budget)
         if self.config.markov_head_type == "rnn":
             raise ValueError("a DSpark drafter with an rnn Markov head drafts chains, not trees")

@@ -27,7 +27,7 @@ from .draft import DFlashDraft
 from .loop import Batch, replies
 from .prompt_cache import PromptCache, make_prompt_cache
 from .proposers import DrafterProposer, LookupProposer, Proposer
-from .response import GenerationResponse
+from .response import Drafting, GenerationResponse
 from .settings import GenerationSettings
 from .steps import ChainStep, Reply, Sequence, Step, SwitchStep, TreeStep
 from .target import TargetAdapter
@@ -57,9 +57,12 @@ def stream_generate(
     (no layer hooks, no drafter forwards). Sampling follows mlx-lm's
     `make_sampler` (greedy at temperature 0); a custom `sampler` maps
     log-probabilities to token ids.
-    When sampling, `acceptance="speculative"` accepts drafts by speculative
-    sampling (exact in distribution); `"match"` only when a draft equals the
-    target's own sample (also the rule for a custom `sampler`).
+    When sampling, `acceptance="coupled"` (the default) draws every position's token as
+    argmax(log p + G_t) with noise G_t keyed by the reply's seed and the position alone,
+    and drafts with the same noise, accepting a draft equal to the target's choice: exact
+    in distribution, and the reply depends on the seed alone, whatever the cycles' shapes;
+    `"speculative"` accepts a chain's drafts by speculative sampling; `"match"` only when a
+    draft equals the target's own independent sample (also the rule for a custom `sampler`).
     `seed` gives the reply its own random stream instead of MLX's global state, so what
     else samples in between does not change it.
     `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
@@ -71,11 +74,12 @@ def stream_generate(
     target that cannot verify trees, or ranks under `mlx.launch`, get the adaptive
     chain. `adaptive=True` is that chain: each cycle's block size, up to
     `block_size`, chosen the same way (block 1 when drafting does not pay; see
-    `adaptive.py`). The output is the same either way, but which random draws a
-    sampled cycle consumes depends on its shape, so a sampled run costs chains
-    and trees from fixed per-backend tables instead of the clock: a seeded
-    sampled run stays reproducible. So does every run under `mlx.launch`, where
-    all ranks must choose the same sizes (trees there never adapt).
+    `adaptive.py`). The output is the same either way; under the speculative and match
+    rules, though, which random draws a sampled cycle consumes depends on its shape, so
+    such runs cost chains and trees from fixed per-backend tables instead of the clock:
+    a seeded sampled run stays reproducible. So does every run under `mlx.launch`, where
+    all ranks must choose the same sizes (trees there never adapt). Each response's
+    `drafting` says how the reply's cycles ran and, where drafting was off, why.
     `block_policy` (an `AdaptiveStrategy` or `AdaptiveBlock` for this block size,
     or an `AdaptiveTree` for this tree budget) keeps what adapting learned: pass
     the same one to successive calls with one target and drafter so that each
@@ -89,11 +93,11 @@ def stream_generate(
     selector's, each token given the one before), up to `block_size` - 1 deep,
     all in one target forward (not for targets with recurrent layers). When
     sampling, a tree node is accepted when the target's own sample at its
-    parent is its token (the "match" rule, exact whatever `acceptance` says);
-    logits processors see each node's own path. With `adaptive` the budget is
-    the largest tree: each cycle verifies the first b nodes that maximise the
-    expected tokens per second, from the drafter's confidence in that cycle's
-    nodes and the cycle times measured so far (`AdaptiveTree`). `prompt_lookup`
+    parent is its token (coupled: its choice under that position's noise; else an
+    independent sample, the "match" rule); logits processors see each node's own path.
+    With `adaptive` the budget is the largest tree: each cycle verifies the first b
+    nodes that maximise the expected tokens per second, from the drafter's confidence
+    in that cycle's nodes and the cycle times measured so far (`AdaptiveTree`). `prompt_lookup`
     grafts onto each tree what followed the last token where it occurred before
     in the prompt or the reply (`lookup.py`), within the budget; without a drafter
     (`draft=None`), `tree_budget` verifies that chain alone, up to that deep
@@ -124,11 +128,18 @@ def stream_generate(
         prompt_cache = make_prompt_cache(model, draft)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
-    verifier = settings.verifier
+    verifier = settings.verifier.for_reply()
     proposer: Proposer = Proposer()
     if draft is not None:
         proposer = DrafterProposer(draft, target, prompt_cache.draft, verifier.propose)
-    mixed = chooses_trees(settings, draft, target, prompt_cache, block_policy)
+    # Each cycle chooses a chain or a tree (`AdaptiveStrategy`) by default, with a drafter,
+    # where nothing keeps it from trees (`strategy_note`); elsewhere the default is the
+    # adaptive chain.
+    default = settings_unset(settings, block_policy)
+    note = strategy_note(draft, target, prompt_cache) if default else None
+    mixed = isinstance(block_policy, AdaptiveStrategy) or (
+        default and draft is not None and note is None
+    )
     if (settings.tree_budget or mixed) and settings.prompt_lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     seq = Sequence(target, prompt_cache, proposer, verifier)
@@ -136,32 +147,44 @@ def stream_generate(
     max_drafts = settings.block_size - 1 if settings.block_size else None
     reply = Reply(seq, step, prompt_ids, max_tokens, set(tokenizer.eos_token_ids), max_drafts)
     commits = replies(batch or Batch(target), reply)
-    return stream(commits, tokenizer, len(prompt_ids))
+    drafting = Drafting(reason=plain_reason(settings, draft), note=note)
+    return stream(commits, tokenizer, len(prompt_ids), drafting)
 
 
-def chooses_trees(
+def settings_unset(
     settings: GenerationSettings,
-    draft: DFlashDraft | None,
-    target: TargetAdapter,
-    prompt_cache: PromptCache,
     block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None,
 ) -> bool:
-    """Whether each cycle chooses between chains and trees (`AdaptiveStrategy`): the default
-    with a drafter (no `block_size`, `tree_budget` or `adaptive` set, no chain or tree policy
-    given) where ranks need not choose alike (not under `mlx.launch`) and the target's caches
-    can keep a tree's path; elsewhere the default is the adaptive chain."""
-    if isinstance(block_policy, AdaptiveStrategy):
-        return True
-    unset = settings.block_size is None and not settings.tree_budget
-    if not (unset and settings.adaptive is None and block_policy is None and draft):
-        return False
-    if draft.config.block_size < 2 or world_group() is not None:
-        return False
+    """Whether the reply runs the library's default (nothing of its strategy set)."""
+    unset = settings.block_size is None and not settings.tree_budget and block_policy is None
+    return unset and settings.adaptive is None
+
+
+def plain_reason(settings: GenerationSettings, draft: DFlashDraft | None) -> str:
+    """Why a cycle of this reply would verify no draft."""
+    if draft is None:
+        return "no drafter"
+    if settings.block_size == 1:
+        return "block size 1 asked for"
+    return "drafting did not pay here (measured cycle costs and acceptance)"
+
+
+def strategy_note(
+    draft: DFlashDraft | None, target: TargetAdapter, prompt_cache: PromptCache
+) -> str | None:
+    """Why the default runs adaptive chains instead of choosing chains or trees, in words
+    (None: no drafter, or nothing kept it from trees)."""
+    if draft is None:
+        return None
+    if draft.config.block_size < 2:
+        return "the drafter's block holds no draft"
+    if world_group() is not None:
+        return "sharded (mlx.launch): adaptive chains, no trees"
     try:
         target.check_tree(prompt_cache.target)
-    except ValueError:
-        return False
-    return True
+    except ValueError as exc:
+        return f"chains only: {exc}"
+    return None
 
 
 def make_step(
@@ -173,7 +196,7 @@ def make_step(
 ) -> Step:
     """The step `settings` ask for, with its size policy when adapting (`block_policy` if
     given, else the prompt cache's, else a new one), or a one-line ValueError; with `mixed`
-    (`chooses_trees`), chains or trees each cycle."""
+    (the default where nothing keeps it from trees), chains or trees each cycle."""
     tree_budget, block_size = settings.tree_budget, settings.block_size
     if mixed:
         return switch_step(seq, settings, draft, block_policy)
@@ -243,9 +266,14 @@ def switch_step(
 
 
 def stream(
-    commits: Iterator, tokenizer: TokenizerWrapper, prompt_tokens: int
+    commits: Iterator,
+    tokenizer: TokenizerWrapper,
+    prompt_tokens: int,
+    drafting: Drafting | None = None,
 ) -> Iterator[GenerationResponse]:
-    """The loop's commits as text and timed responses."""
+    """The loop's commits as text and timed responses, each with the reply's `drafting`
+    so far (the same object, updated as cycles come)."""
+    drafting = drafting or Drafting()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -255,6 +283,10 @@ def stream(
         if not generated:  # the prefill's commit
             prompt_tps = commit.prefilled / (time.perf_counter() - tic)
             tic = time.perf_counter()
+        else:
+            drafting.record(
+                commit.proposed, commit.accepted, commit.tree, last=commit.finish is not None
+            )
         generated += len(commit.tokens)
         for t in commit.tokens:
             if t not in eos:
@@ -274,6 +306,7 @@ def stream(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=commit.finish,
             logprobs=logits - mx.logsumexp(logits, axis=-1, keepdims=True),
+            drafting=drafting,
         )
 
 
@@ -306,5 +339,6 @@ def generate(
         tau = (response.generation_tokens - 1) / max(cycles - 1, 1)
         rate = accepted / max(proposed, 1)
         print(f"Acceptance: {tau:.2f} tokens per cycle, {rate:.1%} of draft tokens accepted")
+        print(f"Cycles: {response.drafting.summary()}")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text

@@ -49,6 +49,7 @@ def prefill(seq: Sequence, prompt: list[int], start: int) -> Commit:
         mx.eval([c.state for c in every_cache])
     logits = model(mx.array(prompt[-1:])[None], cache=cache)
     seq.keep(None)
+    seq.verifier.at(len(prompt), seq.target.vocab_size)
     first = seq.verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
     return Commit([first.token.item()], first.logits, prefilled=len(prompt) - start)
 
@@ -198,12 +199,14 @@ class Batch:
     @staticmethod
     def _shares(reply: Reply) -> bool:
         """Whether the reply may verify in a shared cycle: its caches can share a forward,
-        and its tokens do not depend on the cycle's shape. A greedy reply's never do, nor
-        those of one sampling from the global random state; a seeded sampled reply runs the
-        cycles it would run alone, so the seed alone decides its reply."""
+        and its tokens do not depend on the cycle's shape. A greedy reply's never do, nor a
+        coupled one's (keyed by position), nor those of one sampling from the global random
+        state; a seeded reply under another rule runs the cycles it would run alone, so the
+        seed alone decides its reply."""
         verifier = reply.seq.verifier
         greedy = verifier.transform is None and verifier.sampler is None
-        return batchable(reply.seq.cache) and (greedy or verifier.key is None)
+        free = greedy or verifier.coupled or verifier.key is None
+        return batchable(reply.seq.cache) and free
 
 
 def make_batch(model: nn.Module, draft: DFlashDraft | None) -> Batch:

@@ -21,6 +21,9 @@ from .target import TargetAdapter
 from .tree import Tree, graft
 
 Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
+# `Verifier.tree_scores`: drafter logits (depths 1, 2, ...) and their columns' token ids
+# (None: the vocabulary) -> what a tree ranks its candidates by
+TreeScores = Callable[[mx.array, list[int] | None], mx.array]
 
 
 class Proposer:
@@ -41,8 +44,9 @@ class Proposer:
         sampling); `context` is every token up to the root, for logits processors."""
         raise ValueError("this proposer drafts no chains: use a block size of 1")
 
-    def tree(self, root: int, depth: int, budget: int) -> Tree:
-        """A tree of up to `budget` draft tokens after `root`, at most `depth` deep."""
+    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
+        """A tree of up to `budget` draft tokens after `root`, at most `depth` deep, ranked
+        by `scores` of the drafter's logits (None: the logits themselves)."""
         return Tree([root], [-1], [0])
 
     @property
@@ -76,8 +80,8 @@ class DrafterProposer(Proposer):
         block = mx.concatenate([root, mx.full((length,), self.mask)])
         return self.draft.propose(block, self.embed, self.head, self.cache, self.choose, context)
 
-    def tree(self, root: int, depth: int, budget: int) -> Tree:
-        return self.draft.tree(root, depth, self.embed, self.head, self.cache, budget)
+    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
+        return self.draft.tree(root, depth, self.embed, self.head, self.cache, budget, scores)
 
     @property
     def drafting(self) -> DrafterProposer:
@@ -131,8 +135,8 @@ class LookupProposer(Proposer):
     ) -> tuple[mx.array, mx.array | None]:
         return self.base.chain(root, length, context)
 
-    def tree(self, root: int, depth: int, budget: int) -> Tree:
-        base = self.base.tree(root, depth, budget)
+    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
+        base = self.base.tree(root, depth, budget, scores)
         tree, self.nodes = graft(base, *self.lookup.proposal(depth), budget)
         return tree
 

@@ -8,6 +8,71 @@ import mlx.core as mx
 
 
 @dataclass
+class Drafting:
+    """How a reply's cycles so far were decoded: chains, trees or plain steps, and, where
+    drafting was off, since which cycle and why.
+
+    Drafting is off when a cycle verifies no draft: the reply has no drafter, or the
+    cost-measuring default found that drafting did not pay for this cycle on this machine
+    (a busy machine, a long context or a drafter the text defeats make a cycle dearer or
+    its drafts rarer); it keeps probing and drafts again once it pays.
+    """
+
+    chains: int = 0
+    trees: int = 0
+    plain: int = 0
+    off_since: int | None = None  # the first cycle of the current run of plain steps
+    reason: str | None = None  # why cycles were plain, where any were
+    note: str | None = None  # what limited the strategy (e.g. a target that cannot take trees)
+
+    @property
+    def cycles(self) -> int:
+        return self.chains + self.trees + self.plain
+
+    @property
+    def strategy(self) -> str:
+        """The kinds of cycle run, most frequent first, e.g. "trees 40, chains 3, plain 2"."""
+        kinds = {"trees": self.trees, "chains": self.chains, "plain": self.plain}
+        ran = sorted((n, kind) for kind, n in kinds.items() if n)
+        return ", ".join(f"{kind} {n}" for n, kind in reversed(ran)) or "none"
+
+    def record(self, proposed: int, accepted: int, tree: bool, last: bool = False) -> None:
+        """One cycle after the prefill: `proposed` drafts verified, as a tree or a chain, of
+        which `accepted` were taken. A reply's `last` cycle may have room for one token only,
+        so its plain step says nothing of drafting; a drafted cycle among plain steps that
+        accepts nothing is a probe, and drafting stays off."""
+        if not proposed:
+            if self.off_since is None and not last:
+                self.off_since = self.cycles
+            self.plain += 1
+            return
+        if accepted:
+            self.off_since = None
+        if tree:
+            self.trees += 1
+        else:
+            self.chains += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "chain_cycles": self.chains,
+            "tree_cycles": self.trees,
+            "plain_cycles": self.plain,
+            "drafting_off_since_cycle": None if self.off_since is None else self.off_since + 1,
+            "drafting_off_reason": self.reason if self.plain else None,
+            "drafting_note": self.note,
+        }
+
+    def summary(self) -> str:
+        """One line for a stats display."""
+        line = self.strategy
+        if self.off_since is not None:
+            line += f"; off since cycle {self.off_since + 1}: {self.reason}"
+        return f"{line}; {self.note}" if self.note else line
+
+
+@dataclass
 class GenerationResponse:
     """One verify cycle's output (the first response carries the prefill's token).
 
@@ -23,6 +88,7 @@ class GenerationResponse:
         logprobs: (len(tokens), vocab) the target's log-probabilities (after the logits
             processors, before temperature) at each token's position, as mlx-lm's
             `logprobs`; lazy, so computed only if read.
+        drafting: the reply's cycles so far by kind, and why drafting was off where it was.
     """
 
     text: str
@@ -36,6 +102,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     logprobs: mx.array | None = None
+    drafting: Drafting | None = None
 
     @property
     def token(self) -> int:

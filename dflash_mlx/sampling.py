@@ -1,16 +1,27 @@
 """How drafts are proposed and accepted: pure math on logits.
 
-Three rules, all lossless:
+Four rules, all lossless:
 - greedy (temperature 0): drafts and the target's choices are argmaxes; a draft
   is accepted when it equals the target's choice.
 - "match": drafts and the target's tokens are sampled; a draft is accepted when
   it equals the target's sample. Correct, but accepts less than it could.
-- "speculative" (the default when sampling): standard speculative sampling with
+- "speculative": standard speculative sampling with
   the drafter's distribution q and the target's p, both after the same
   temperature / top-p / min-p / top-k transform: accept draft x with
   probability min(1, p(x)/q(x)); at the first rejection emit a sample of
   normalize(max(0, p - q)); if all are accepted the bonus token comes from p.
   Every emitted token is then distributed exactly as the target's own sample.
+- "coupled" (the default when sampling; Gumbel-max coupling keyed by position): a
+  reply has a noise seed, and every sequence position t its own Gumbel noise G_t
+  over the vocabulary, from a key of (seed, t) alone. The target's token at t is
+  argmax(log p_t + G_t): an exact sample of p_t, as G_t is fresh at every position
+  whatever was drafted.
+  Drafts use the same noise: a chain's draft at t is argmax(log q_t + G_t), a
+  tree's children at t the drafter's best of log q_t + G_t (a sample without
+  replacement), so they agree with the target far more often than independent
+  samples; a draft is accepted when it equals the target's choice. The reply is
+  then a function of the seed, the prompt and the settings alone, whatever the
+  cycles' shapes, sizes, timing or batching: the clock may choose them.
 
 A verifier draws from MLX's global random state, or from its own stream (`key`)
 when it has one: a seeded reply then draws the same whatever else samples
@@ -28,7 +39,7 @@ exps from `cpu_math` on the CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +49,7 @@ from . import cpu_math
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens, logits) -> logits
-RULES = ("speculative", "match")
+RULES = ("speculative", "match", "coupled")
 MAX_SEED = 2**32 - 1  # a seed is a uint32, as `mx.random.key` takes it
 
 
@@ -122,6 +133,12 @@ def residual_sample(
     return mx.random.categorical(mx.log(residual), key=key)
 
 
+def position_noise(seed: int, position: int, vocab: int) -> mx.array:
+    """Gumbel noise (vocab,) at one sequence position of a reply: threefry keyed by the
+    words (seed, position), so each position's noise is its own, drawn in any order."""
+    return mx.random.gumbel(shape=(vocab,), key=mx.random.key((seed << 32) | position))
+
+
 def leading(matches: mx.array) -> mx.array:
     """How many of `matches` hold before the first that does not (a scalar, on the device)."""
     return mx.cumprod(matches.astype(mx.int32)).sum()
@@ -159,6 +176,10 @@ class Verifier:
     it makes takes a fresh subkey split from it, on the device, so its draws do not
     depend on what else samples in between. Without one it draws from MLX's global
     state (`mx.random.seed`). A custom `sampler` draws wherever it draws.
+
+    Under the coupled rule each reply has its own verifier (`for_reply`), and each cycle
+    tells it where it starts (`at`): the drafter's rows and the target's rows after the
+    root stand for consecutive positions from there, a tree's nodes for their depths.
     """
 
     transform: Callable[[mx.array], mx.array] | None = None  # None: greedy
@@ -166,6 +187,55 @@ class Verifier:
     sampler: Sampler | None = None  # a user's own sampler (match rule only)
     processors: list[LogitsProcessor] = field(default_factory=list)
     key: mx.array | None = None  # its own random stream; None: MLX's global state
+    # The coupled rule's state for one reply (`for_reply`, `at`): its noise seed, the
+    # position of the cycle's first row after the root and the vocabulary, the rows
+    # proposed since, and the noise of the positions the cycle may read.
+    seed: int | None = None
+    position: int = 0
+    vocab: int = 0
+    drafted: int = 0
+    noises: dict[int, mx.array] = field(default_factory=dict)
+
+    @property
+    def coupled(self) -> bool:
+        """Whether sampled tokens are coupled by position (the "coupled" rule)."""
+        return self.rule == "coupled" and self.transform is not None
+
+    def for_reply(self) -> Verifier:
+        """The verifier one reply uses: itself, or under the coupled rule a copy with the
+        reply's own noise seed, drawn from this stream (or MLX's global state) as the reply
+        starts, so replies of one settings object differ and their seed decides each."""
+        if not self.coupled:
+            return self
+        seed = mx.random.randint(0, 2**31 - 1, key=self._next_key()).item()
+        return replace(self, key=mx.random.key(seed), seed=seed, noises={})
+
+    def at(self, position: int, vocab: int) -> None:
+        """The next cycle's first row after the root stands for sequence `position` (rows of
+        `vocab` logits): the coupled rule keys its noise by it. Earlier noise is dropped."""
+        self.position, self.vocab, self.drafted = position, vocab, 0
+        for done in [p for p in self.noises if p < position]:
+            del self.noises[done]
+
+    def noise(self, positions: list[int], vocab: int) -> mx.array:
+        """The reply's Gumbel noise (len(positions), vocab), kept for the cycle: a position's
+        noise serves the drafter's row, the target's and every tree node at that depth."""
+        if self.seed is None:  # a verifier used without `for_reply`: a seed of its own
+            self.seed = mx.random.randint(0, 2**31 - 1, key=self._next_key()).item()
+        for position in positions:
+            if position not in self.noises:
+                self.noises[position] = position_noise(self.seed, position, vocab)
+        return mx.stack([self.noises[position] for position in positions])
+
+    def tree_scores(self, logits: mx.array, token_ids: list[int] | None) -> mx.array:
+        """What a coupled drafter tree ranks each depth's candidates by: log q + that depth's
+        noise, rows for depths 1, 2, ... (columns `token_ids` of the vocabulary, for a draft
+        vocabulary); the tree then holds the target's likely coupled choices."""
+        positions = list(range(self.position, self.position + logits.shape[0]))
+        noise = self.noise(positions, self.vocab)
+        if token_ids is not None:
+            noise = noise[:, mx.array(token_ids)]
+        return self.transform(logits) + noise
 
     def propose(
         self, logits: mx.array, context: list[int] | None = None
@@ -176,10 +246,11 @@ class Verifier:
         `context` when one is given, or (DFlash 2) one walk step's candidate scores.
         """
         if not self.processors or context is None:
-            return self._choose(logits)
+            return self._choose(logits, self._drafting(logits))
         seen, tokens, logprobs = mx.array(context, dtype=mx.uint32), [], []
         for row in range(logits.shape[0]):
-            token, row_logprobs = self._choose(self._process(seen, logits[row : row + 1]))
+            processed = self._process(seen, logits[row : row + 1])
+            token, row_logprobs = self._choose(processed, self._drafting(processed))
             seen = mx.concatenate([seen, token.astype(mx.uint32)])
             tokens.append(token)
             logprobs.append(row_logprobs)
@@ -202,12 +273,31 @@ class Verifier:
             row = processor(seen, row)
         return row
 
-    def _choose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _drafting(self, logits: mx.array) -> list[int] | None:
+        """The positions of the next drafted rows, for the coupled rule (None: a draw). A DFlash
+        2 walk's step scores its candidates, not the vocabulary: drawn from the stream."""
+        if not self.coupled or logits.ndim != 2:
+            return None
+        start = self.position + self.drafted
+        self.drafted += logits.shape[0]
+        return list(range(start, start + logits.shape[0]))
+
+    def choices(self, logits: mx.array, positions: list[int]) -> mx.array:
+        """The target's token after each row (a tree's nodes, at sequence `positions`): its
+        argmax, its coupled choice, or its sample."""
+        return self._choose(logits, positions)[0]
+
+    def _choose(
+        self, logits: mx.array, positions: list[int] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         if self.sampler is not None:
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), None
         if self.transform is None:
             return mx.argmax(logits, axis=-1), None
         logprobs = self.transform(logits)
+        if self.coupled and positions is not None:
+            noise = self.noise(positions, logprobs.shape[-1])
+            return mx.argmax(logprobs + noise, axis=-1), logprobs
         return mx.random.categorical(logprobs, key=self._next_key()), logprobs
 
     def _next_key(self) -> mx.array | None:
@@ -241,7 +331,8 @@ class Verifier:
             )
             token = mx.where(accepted < drafts.size, residual, bonus)
             return Verdict(matches, accepted, token, target_logits)
-        choices, _ = self._choose(target_logits)
+        positions = list(range(self.position, self.position + target_logits.shape[0]))
+        choices, _ = self._choose(target_logits, positions)
         matches = drafts == choices[:-1].astype(drafts.dtype)
         accepted = leading(matches)
         return Verdict(matches, accepted, mx.take(choices, accepted), target_logits)
@@ -253,7 +344,7 @@ def make_verifier(
     top_k: int = 0,
     min_p: float = 0.0,
     sampler: Sampler | None = None,
-    acceptance: str = "speculative",
+    acceptance: str = "coupled",
     processors: list[LogitsProcessor] | None = None,
     seed: int | None = None,
 ) -> Verifier:

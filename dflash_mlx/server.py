@@ -504,8 +504,9 @@ class Worker:
             processors = make_logits_processors(**{**self.processor_settings, **job.settings})
             settings = settings.but(logits_processors=processors)
         cache = self.caches.take(job.prompt)
-        if job.seed is not None and settings.temperature > 0:
-            # the sizes of its cycles from a fresh policy: its seed alone decides its reply
+        if job.seed is not None and settings.temperature > 0 and not settings.timed:
+            # under a rule whose draws follow the cycles' shapes (not the coupled one), the
+            # sizes of its cycles from a fresh policy: its seed alone decides its reply
             cache.block_policy = None
         responses = stream_generate(
             self.model,

@@ -62,7 +62,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
     )
     parser.add_argument(
-        "--draft-window", type=int, help="drafter attends to the last N context positions only"
+        "--draft-window",
+        type=int,
+        help="drafter attends to the last N context positions only (default: the drafter's "
+        "own, where its config sets one; 0: the whole context)",
     )
     parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -75,15 +78,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         action=argparse.BooleanOptionalAction,
         help="the adaptive chain: each cycle's block size by cost, up to --block-size or the "
         "drafter's (without --block-size, --tree-budget or this flag each cycle chooses a "
-        "chain or a tree by cost; sampled runs cost them from fixed tables, so a --seed "
-        "reproduces them); with --tree-budget, each tree's size from the drafter's "
-        "confidence (default: off)",
+        "chain or a tree by cost; runs sampled by the speculative or match rule cost them "
+        "from fixed tables, so a --seed reproduces them); with --tree-budget, each tree's "
+        "size from the drafter's confidence (default: off)",
     )
     parser.add_argument(
         "--acceptance",
-        default="speculative",
+        default="coupled",
         choices=RULES,
-        help="when sampling: speculative sampling (exact) or accept only exact matches",
+        help="when sampling (all exact): drafts coupled to the target's samples by position "
+        "(the clock may size cycles), speculative sampling, or matches of independent samples",
     )
     penalties = parser.add_argument_group(
         "logits processors (mlx-lm's make_logits_processors; the output stays lossless)"
@@ -313,12 +317,18 @@ class ReplyStats:
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "peak_memory_gb": last.peak_memory if last else 0.0,
             "finish_reason": last.finish_reason if last else None,
+            **(last.drafting.as_dict() if last and last.drafting else {}),
         }
 
     def summary(self) -> str:
         d = self.as_dict()
         return (
             f"{d['generation_tokens']} tokens, {d['generation_tps']:.1f} tok/s, "
-            f"τ {d['tau']:.2f}, {d['acceptance_rate']:.0%} accepted, "
+            f"τ {d['tau']:.2f}, {d['acceptance_rate']:.0%} accepted{self.drafting()}, "
             f"TTFT {d['ttft'] * 1000:.0f} ms, prompt {d['prompt_tokens']} tokens"
         )
+
+    def drafting(self) -> str:
+        """The cycles by kind, and when and why drafting was off, as " (...)" ("" if unknown)."""
+        drafting = self.last.drafting if self.last else None
+        return f" ({drafting.summary()})" if drafting else ""

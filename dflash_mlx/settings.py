@@ -31,11 +31,12 @@ class GenerationSettings:
     chooses a chain or a tree by measured cost (`AdaptiveStrategy`); `prompt_lookup`
     grafts the prompt lookup's chain onto every tree.
     Sampling follows mlx-lm's `make_sampler`; `acceptance` is the rule for sampled
-    drafts; `logits_processors` are mlx-lm's. With a `seed` (0 to 2**32 - 1) every random
-    draw comes from these settings' own stream from that seed instead of MLX's global
-    state, so a seeded reply is the same whatever samples beside it; replies made with
-    one settings object continue its stream, and a copy with changes (`but`) starts
-    its own."""
+    drafts (`sampling.py`; "coupled" leaves the reply independent of the cycles' shapes, so
+    the clock may choose them); `logits_processors` are mlx-lm's. With a `seed` (0 to
+    2**32 - 1) every random draw comes from these settings' own stream from that seed
+    instead of MLX's global state, so a seeded reply is the same whatever samples beside
+    it; replies made with one settings object continue its stream, and a copy with
+    changes (`but`) starts its own."""
 
     max_tokens: int = 256
     block_size: int | None = None
@@ -47,7 +48,7 @@ class GenerationSettings:
     top_k: int = 0
     min_p: float = 0.0
     sampler: Sampler | None = None
-    acceptance: str = "speculative"
+    acceptance: str = "coupled"
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     seed: int | None = None
     # the rule that proposes drafts and accepts them under these sampling settings
@@ -80,9 +81,11 @@ class GenerationSettings:
     @property
     def timed(self) -> bool:
         """Whether measured times may choose the block sizes: only where the sizes change
-        nothing but speed. A sampled cycle consumes random draws by its size, and ranks in
+        nothing but speed: greedy, or sampled under the coupled rule (keyed by position). A
+        cycle sampled by another rule consumes random draws by its size, and ranks in
         lockstep (`mlx.launch`) must choose alike; both cost the sizes from a fixed table."""
-        return self.temperature == 0 and self.sampler is None and world_group() is None
+        shapeless = self.temperature == 0 or self.acceptance == "coupled"
+        return shapeless and self.sampler is None and world_group() is None
 
     def new_policy(self, block_size: int) -> AdaptiveBlock | AdaptiveTree:
         """A fresh size policy: trees sized up to the budget, or chains up to `block_size`,

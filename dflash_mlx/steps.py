@@ -31,13 +31,15 @@ from .tree import Tree, ancestor_mask, read_together, walk
 class Commit:
     """Tokens a cycle commits, the target's logits at their positions (after the logits
     processors), the drafts accepted and proposed, why the reply ends (None, "stop",
-    "length"), the next cycle if it was launched already (`queued`), and for the
-    prefill's commit the prompt positions it ran (`prefilled`)."""
+    "length"), the next cycle if it was launched already (`queued`), for the prefill's
+    commit the prompt positions it ran (`prefilled`), and whether the cycle verified a
+    tree (else a chain, or a plain step where nothing was proposed)."""
 
     tokens: list[int]
     logits: mx.array
     accepted: int = 0
     proposed: int = 0
+    tree: bool = False
     finish: str | None = None
     queued: Any = None
     prefilled: int = 0
@@ -116,6 +118,7 @@ class PendingChain:
     size: int
     drafts: mx.array
     verdict: Verdict
+    launching: float = 0.0  # host seconds spent launching it while the cycle before ran
 
 
 class ChainStep:
@@ -140,6 +143,7 @@ class ChainStep:
         n = min(drafts + 1, remaining)
         root_id = mx.array([root]) if isinstance(root, int) else root
         context = seq.tokens + [root] if seq.verifier.processors else None
+        seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
         if n > 1:
             drafts, logq = seq.proposer.chain(root_id, n - 1, context)
             n = drafts.size + 1  # a proposer may stop short (a DSpark confidence head)
@@ -162,13 +166,18 @@ class ChainStep:
             seq.target.rollback(seq.cache, 0)
             seq.keep(1)
             seq.tokens.append(pending.root)
+            tic = time.perf_counter()
             queued = self.next.launch(verdict.token[None].astype(mx.int32), remaining - 1)
+            # the next cycle's host work is its own cost, not this step's (a tree's launch
+            # waited for this step's token: that wait is this step's)
+            queued.launching = time.perf_counter() - tic - queued.launching
         read = read_together([pending.drafts, verdict.accepted, verdict.token], mx.int32)
         drafts, accepted, token = (part.tolist() for part in read)
         if isinstance(queued, PendingChain):
             queued.root = token
         if self.policy:
-            self.policy.record(Cycle(n - 1, accepted, time.perf_counter() - started))
+            seconds = time.perf_counter() - started - (queued.launching if queued else 0.0)
+            self.policy.record(Cycle(n - 1, accepted, seconds + pending.launching))
         if not queued:
             seq.target.rollback(seq.cache, n - accepted - 1)
             seq.keep(accepted + 1)
@@ -191,6 +200,7 @@ class PendingTree:
     logits: mx.array
     choices: mx.array | None
     proposed: bool
+    launching: float = 0.0  # as `PendingChain`'s
 
 
 class TreeStep:
@@ -213,18 +223,23 @@ class TreeStep:
             budget = self.budget if not policy or policy.plan() > 0 else 0
         depth = min(self.max_depth, remaining - 1, budget)
         tree = Tree([root], [-1], [0])
+        verifier, position = seq.verifier, len(seq.tokens) + 1
+        verifier.at(position, seq.target.vocab_size)
         if depth > 0:
-            tree = seq.proposer.tree(root, depth, budget)
+            scores = verifier.tree_scores if verifier.coupled else None
+            tree = seq.proposer.tree(root, depth, budget, scores)
             if policy:
                 tree = tree.first(policy.fit(tree.probabilities()) + 1)
         start = seq.cache[0].offset
         with seq.target.tree_attention(seq.cache, tree.depths, ancestor_mask(tree.parents)):
             logits = seq.target.forward(mx.array(tree.tokens), seq.cache)
-        # The target's own choice at every node: its argmax, or its sample (a node is then
-        # accepted when the target's sample at its parent is the node's token: every
-        # committed token is the target's own sample, so the output is exact in distribution).
-        # Logits processors see each node's own path: its choice is made during the walk.
-        choices = None if seq.verifier.processors else seq.verifier.propose(logits)[0]
+        # The target's own choice at every node: its argmax, its coupled choice at the node's
+        # position, or its sample (a node is then accepted when the target's sample at its
+        # parent is the node's token: every committed token is the target's own sample, so
+        # the output is exact in distribution). Logits processors see each node's own path:
+        # its choice is made during the walk.
+        positions = [position + depth for depth in tree.depths]
+        choices = None if verifier.processors else verifier.choices(logits, positions)
         mx.async_eval(logits if choices is None else choices)
         return PendingTree(tree, start, logits, choices, depth > 0)
 
@@ -236,7 +251,8 @@ class TreeStep:
             context = seq.tokens + [tree.tokens[n] for n in tree.path(node)]
             row = seq.verifier.process(logits[node : node + 1], context, mx.array([], mx.uint32))
             processed[node] = row
-            return seq.verifier.propose(row)[0].item()
+            position = len(seq.tokens) + 1 + tree.depths[node]
+            return seq.verifier.choices(row, [position]).item()
 
         choices = pending.choices
         path, after = walk(
@@ -255,9 +271,9 @@ class TreeStep:
         accepted = len(path) - 1
         if self.policy:
             probabilities = tree.probabilities()
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started + pending.launching
             self.policy.record(Cycle(len(tree) - 1, accepted, seconds, probabilities, path))
-        return Commit(tokens[1:] + [after], logits, accepted, len(tree) - 1)
+        return Commit(tokens[1:] + [after], logits, accepted, len(tree) - 1, tree=True)
 
     def cancel(self, pending: PendingTree) -> None:
         self.seq.target.rollback(self.seq.cache, len(pending.tree))
@@ -279,11 +295,15 @@ class SwitchStep:
         plan = self.policy.plan()
         if not plan.tree:
             return self.chain.launch(root, remaining, plan.drafts)
+        tic = time.perf_counter()
         root = root if isinstance(root, int) else root.item()
+        waited = time.perf_counter() - tic  # for a token on the device: the cycle before's
         cache = self.chain.seq.cache
         start = cache[0].offset
         try:
-            return self.tree.launch(root, remaining, plan.drafts)
+            pending = self.tree.launch(root, remaining, plan.drafts)
+            pending.launching = waited  # `ChainStep.settle` takes it out of the launch's time
+            return pending
         except ValueError:
             if self.policy.trees_measured:
                 raise  # it verified trees before: not the target's refusal

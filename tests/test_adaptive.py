@@ -296,15 +296,22 @@ def test_seeded_sampling_adapts_by_default_and_stays_reproducible(loaded):
         cache = dflash_mlx.make_prompt_cache(model, draft)
         mx.random.seed(11)
         tokens, responses = run(
-            model, draft, tokenizer, prompt, max_tokens=120, prompt_cache=cache, temperature=1.0
+            model,
+            draft,
+            tokenizer,
+            prompt,
+            max_tokens=120,
+            prompt_cache=cache,
+            temperature=1.0,
+            acceptance="speculative",
         )
         replies.append((tokens, [r.proposed for r in responses]))
-        assert not cache.block_policy.timed  # sampling: fixed costs, not the clock
+        assert not cache.block_policy.timed  # sampling by draws: fixed costs, not the clock
     assert replies[0] == replies[1]
     assert len(set(replies[0][1][1:])) > 1  # the block size changed along the way
     with pytest.raises(ValueError, match="made for greedy decoding: make a new one"):
         run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0,
-            block_policy=AdaptiveBlock(16))  # fmt: skip
+            acceptance="speculative", block_policy=AdaptiveBlock(16))  # fmt: skip
 
 
 # A tree cycle's budget. The synthetic drafter proposes one chain per cycle whose i-th node has
@@ -596,7 +603,10 @@ def test_a_strategy_carries_over_between_generations(loaded):
     with pytest.raises(ValueError, match="takes no block size or tree budget"):
         run(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, block_policy=policy)
     with pytest.raises(ValueError, match="made for greedy decoding: make a new one"):
-        run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0, block_policy=policy)
+        run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0, block_policy=policy,
+            acceptance="speculative")  # fmt: skip
+    # the coupled rule (the default) keeps a greedy run's timed policy: only speed changes
+    run(model, draft, tokenizer, prompt, max_tokens=4, temperature=1.0, block_policy=policy)
 
 
 def test_explicit_settings_keep_their_meaning(loaded):

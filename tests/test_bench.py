@@ -1,5 +1,6 @@
 """The bench: end to end through its command line, and its measurements against known answers."""
 
+import argparse
 import json
 import math
 import subprocess
@@ -138,3 +139,10 @@ def test_divergence_reports_first_index_and_top2_gap(loaded):
     assert d["top2"][0] == ar[3] and d["top2_gap"] >= 0
     assert bench.divergence(model, ids, ar, list(ar)) is None
     assert bench.divergence(model, ids, ar, ar[:5])["index"] == 5
+
+
+def test_bench_chooses_prompts_by_category_and_limit():
+    chosen = bench.chosen_prompts(argparse.Namespace(prompts=None, category="coding", limit=3))
+    assert len(chosen) == 3 and {p["category"] for p in chosen} == {"coding"}
+    with pytest.raises(ValueError, match="no prompt of category 'poetry'"):
+        bench.chosen_prompts(argparse.Namespace(prompts=None, category="poetry", limit=None))

@@ -78,6 +78,7 @@ def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_p
     text, n = greedy_text(loaded, "Alice has", 12, chat=False)
     assert out.stdout == text + "\n"
     assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
+    assert f"(plain {n - 1}; off since cycle 1: no drafter)" in out.stderr
 
 
 def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pair, loaded):

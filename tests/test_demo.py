@@ -74,6 +74,16 @@ def test_shipped_drafter_matches_smollm2():
     assert (demo.SHIPPED_DRAFTER / "README.md").read_text().startswith("# ")
 
 
+def test_the_shipped_drafter_attends_to_its_own_window_unless_told_otherwise():
+    """Trained on sequences of a few hundred tokens, it drafts from the last 256 positions of
+    a long context (better and cheaper there); 0 or a number overrides that."""
+    windows = [
+        {layer.self_attn.window for layer in load_draft(demo.SHIPPED_DRAFTER, **arg).layers}
+        for arg in ({}, {"context_window": 0}, {"context_window": 1024})
+    ]
+    assert windows == [{256}, {None}, {1024}]
+
+
 SMOLLM2_PROMPTS = [
     "Explain what a Python list comprehension is, with a short example.",
     "Write a Python function that returns the factorial of n.",

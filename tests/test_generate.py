@@ -330,3 +330,38 @@ def test_prefill_never_builds_logits_for_the_whole_prompt(loaded):
     assert response.peak_memory * 1e9 < full_logits / 4
     expected = mx.argmax(model(mx.array(prompt)[None])[0, -1]).item()
     assert response.tokens == [expected]
+
+
+def test_each_reply_says_how_its_cycles_ran_and_why_drafting_was_off(loaded, monkeypatch):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    prompt = prompt_of(9, seed=5)
+    for kwargs, reason in [({"block_size": 1}, "block size 1"), ({"draft": None}, "no drafter")]:
+        responses = run(
+            model, kwargs.pop("draft", draft), tokenizer, prompt, max_tokens=12, **kwargs
+        )[1]
+        drafting = responses[-1].drafting
+        assert drafting.plain == drafting.cycles == len(responses) - 1
+        assert drafting.off_since == 0 and reason in drafting.summary()
+        assert drafting.as_dict()["drafting_off_since_cycle"] == 1
+
+    # drafts that are never right are never worth their cost: the default falls back to
+    # plain steps within a few cycles and says why
+    prompt = prompt_of(9, seed=6)
+    expected = reference_greedy(model, prompt, 120, set(tokenizer.eos_token_ids))
+    wrong = next(t for t in range(4, 300) if t not in expected)
+
+    head_logits = DFlashDraft.head_logits
+
+    def never_right(self, hidden, lm_head):
+        logits = head_logits(self, hidden, lm_head)
+        return mx.where(mx.arange(logits.shape[-1]) == wrong, 1e4, logits * 0)
+
+    monkeypatch.setattr(DFlashDraft, "head_logits", never_right)
+    responses = run(model, draft, tokenizer, prompt, max_tokens=120, prompt_lookup=False)[1]
+    assert [t for r in responses for t in r.tokens] == expected
+    drafting = responses[-1].drafting
+    assert drafting.cycles == len(responses) - 1
+    assert drafting.chains + drafting.trees + drafting.plain == drafting.cycles
+    assert drafting.plain > drafting.cycles / 2, drafting.strategy
+    assert drafting.off_since is not None and drafting.off_since < 30, drafting.summary()
+    assert "did not pay" in drafting.as_dict()["drafting_off_reason"]

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.sampling import Verifier, make_logprobs_transform, make_verifier, nucleus
+from dflash_mlx.tree import build_tree, top_candidates, walk
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
 
@@ -96,6 +97,73 @@ def test_speculative_verify_emits_the_target_distribution(seed):
     assert chi2_pvalue(np.array(third), p[2]) > SIGNIFICANCE
     expected_rate = np.minimum(p[0], q[0]).sum()  # speculative acceptance: sum of min(p, q)
     assert abs(np.mean(accepted) - expected_rate) < 4 * np.sqrt(expected_rate / 6000)
+
+
+def coupled_verifier(seed: int, position: int, vocab: int) -> Verifier:
+    """A coupled verifier whose "logits" are log-probabilities already, its noise from `seed`,
+    its cycle starting at `position`."""
+    verifier = Verifier(transform=lambda logits: logits, rule="coupled", seed=seed)
+    verifier.at(position, vocab)
+    return verifier
+
+
+def test_coupled_chains_emit_the_target_distribution():
+    """Drafts argmax(log q + G_t), the target's tokens argmax(log p + G_t): every emitted token
+    follows its row of p, and coupled drafts agree far more often than independent ones."""
+    rng = np.random.default_rng(0)
+    vocab, k, trials = 6, 2, 4000
+    p = rng.dirichlet(np.ones(vocab), size=k + 1)
+    q = rng.dirichlet(np.ones(vocab), size=k)
+    p_log, q_log = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
+    emitted: list[list[int]] = [[], [], []]
+    accepted = []
+    for trial in range(trials):
+        verifier = coupled_verifier(trial, 40 + trial % 7, vocab)
+        drafts, logq = verifier.propose(q_log)
+        verdict = verifier.verify(drafts, logq, p_log)
+        n = verdict.accepted.item()
+        for i, token in enumerate(drafts.tolist()[:n] + [verdict.token.item()]):
+            emitted[i].append(token)
+        accepted.append(verdict.matches[0].item())
+    for row, tokens in enumerate(emitted):
+        assert chi2_pvalue(np.array(tokens), p[row]) > SIGNIFICANCE, row
+    independent = (p[0] * q[0]).sum()  # the match rule's acceptance
+    assert np.mean(accepted) > independent + 4 * np.sqrt(independent / trials)
+
+
+def test_coupled_trees_emit_the_target_distribution():
+    """A tree of the drafter's coupled top-2 per depth (`tree_scores`), walked by the target's
+    coupled choice at each node's position: the first token follows p at the root and the
+    second, given the first, the target's row after it, tree node or not."""
+    rng = np.random.default_rng(1)
+    vocab, trials = 5, 3000
+    p_root = rng.dirichlet(np.ones(vocab))
+    p_after = rng.dirichlet(np.ones(vocab), size=vocab)  # the target's row after each token
+    q = rng.dirichlet(np.ones(vocab), size=2)
+    q_log = mx.log(mx.array(q, mx.float32))
+    seconds: dict[int, list[int]] = {x: [] for x in range(vocab)}
+    firsts, deep = [], 0
+    for trial in range(trials):
+        verifier = coupled_verifier(trial, 9, vocab)
+        top = top_candidates(verifier.tree_scores(q_log, None), 2)
+        tree = build_tree(vocab, *top, budget=4)  # the root token is outside the vocabulary
+        rows = [p_root if node == 0 else p_after[tree.tokens[node]] for node in range(len(tree))]
+        logits = mx.log(mx.array(np.array(rows), mx.float32))
+        choices = verifier.choices(logits, [9 + depth for depth in tree.depths]).tolist()
+        path, after = walk(tree, choices.__getitem__)
+        tokens = [tree.tokens[node] for node in path[1:]] + [after]
+        if len(tokens) == 1:  # the next cycle, at the next position
+            verifier.at(10, vocab)
+            row = mx.log(mx.array(p_after[tokens[0]][None], mx.float32))
+            tokens.append(verifier.choices(row, [10]).item())
+        deep += len(path) > 2
+        firsts.append(tokens[0])
+        seconds[tokens[0]].append(tokens[1])
+    assert chi2_pvalue(np.array(firsts), p_root) > SIGNIFICANCE
+    for first, tokens in seconds.items():
+        if len(tokens) >= 100:
+            assert chi2_pvalue(np.array(tokens), p_after[first]) > SIGNIFICANCE, first
+    assert deep > trials / 20  # walks went past depth 1: the tree's own nodes were tested
 
 
 def exact_second_token(model, prompt: list[int], transform) -> np.ndarray:
@@ -199,7 +267,8 @@ def test_speculative_sampling_with_a_processor_emits_the_processed_distribution(
     q = rng.dirichlet(np.ones(vocab), size=2)
     p_logits, q_logits = mx.log(mx.array(p, mx.float32)), mx.log(mx.array(q, mx.float32))
     penalty = 1.5
-    verifier = make_verifier(1.0, processors=[make_presence_penalty(penalty, 20)])
+    processors = [make_presence_penalty(penalty, 20)]
+    verifier = make_verifier(1.0, acceptance="speculative", processors=processors)
 
     def processed(row: np.ndarray, seen: list[int]) -> np.ndarray:
         out = np.log(row) - penalty * np.isin(np.arange(vocab), seen)

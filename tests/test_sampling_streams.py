@@ -119,7 +119,7 @@ def test_without_a_seed_the_draws_are_the_global_states():
 
 
 def test_each_settings_copy_has_its_own_stream():
-    settings = GenerationSettings(temperature=1.0, seed=3)
+    settings = GenerationSettings(temperature=1.0, seed=3, acceptance="speculative")
     logits = mx.zeros((64, 1000))
     first = settings.verifier.propose(logits)[0].tolist()
     assert settings.verifier.propose(logits)[0].tolist() != first  # the stream moves on
@@ -138,3 +138,49 @@ def test_bad_seeds_are_one_line_errors(seed):
 def test_a_seed_cannot_reach_a_custom_sampler():
     with pytest.raises(ValueError, match="custom sampler"):
         make_verifier(sampler=make_sampler(1.0), seed=1)
+
+
+COUPLED_SHAPES = [
+    dict(block_size=2),
+    dict(block_size=4),
+    dict(block_size=4, adaptive=True),
+    dict(tree_budget=3),
+    dict(tree_budget=6, adaptive=True),
+    dict(tree_budget=6, logits_processors=make_logits_processors(repetition_penalty=1.3)),
+]
+
+
+def test_a_coupled_reply_is_the_same_whatever_its_cycles(loaded):
+    """Under the coupled rule a seeded reply is a function of its seed alone: the same for
+    every block size, tree budget and the default strategy (timed by the clock), and alone
+    or sharing batched cycles with another reply."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    kwargs = dict(temperature=1.0, top_p=0.95, acceptance="coupled")
+    assert GenerationSettings(**kwargs).timed
+    default = reply(model, draft, tokenizer, seed=11, **kwargs)
+    assert len(default) == 24
+    assert reply(model, draft, tokenizer, seed=12, **kwargs) != default
+    processed = dict(logits_processors=make_logits_processors(repetition_penalty=1.3))
+    with_processors = reply(model, draft, tokenizer, seed=11, **kwargs, **processed)
+    for shape in COUPLED_SHAPES:
+        expected = with_processors if "logits_processors" in shape else default
+        assert reply(model, draft, tokenizer, seed=11, **kwargs, **shape) == expected, shape
+    shared = []
+    launch = dflash_mlx.batched.BatchedChain.launch
+
+    def counted(self, roots, sink):
+        shared.append(len(roots))
+        return launch(self, roots, sink)
+
+    batch = dflash_mlx.make_batch(model, draft)
+    pair = [
+        stream_generate(model, draft, tokenizer, p, max_tokens=24, batch=batch, seed=s, **kwargs)
+        for p, s in [(PROMPT, 11), ([0, 7, 19], 3)]
+    ]
+    tokens: list[list[int]] = [[], []]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dflash_mlx.batched.BatchedChain, "launch", counted)
+        for i, generation in [(i, g) for _ in range(30) for i, g in enumerate(pair)]:
+            tokens[i] += next(generation).tokens if len(tokens[i]) < 24 else []
+    assert shared and max(shared) == 2  # the two replies verified together
+    assert tokens[0] == default

@@ -144,6 +144,9 @@ def test_chat_and_text_completions_equal_greedy_decoding(client, loaded):
     stats = reply.model_extra["dflash"]
     assert stats["generation_tokens"] == n and 0 <= stats["acceptance_rate"] <= 1
     assert stats["proposed"] > 0 and stats["tau"] >= 1
+    kinds = stats["chain_cycles"] + stats["tree_cycles"] + stats["plain_cycles"]
+    assert kinds == stats["cycles"] and stats["strategy"]
+    assert "drafting_off_reason" in stats and "drafting_off_since_cycle" in stats
 
     completion = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=12)
     text, n = greedy_text(loaded, PROMPTS[1], 12, chat=False)
