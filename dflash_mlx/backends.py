@@ -35,7 +35,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from . import cpu_math, few_rows_quantized
+from . import cpu_attention, cpu_math, few_rows_quantized
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
 from .swaps import Swap, rebound_class, swapped
@@ -60,10 +60,11 @@ def current() -> str | None:
 
 
 def _cpu_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention` with `cpu_math`'s softmax where it applies."""
+    """mlx-lm's `scaled_dot_product_attention` by `cpu_attention` (its kernel, else `cpu_math`'s
+    softmax) where it applies."""
     if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
         return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
-    return cpu_math.attention(queries, keys, values, scale, mask)
+    return cpu_attention.attention(queries, keys, values, scale, mask)
 
 
 def _cuda_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:

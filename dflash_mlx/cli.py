@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from . import __version__, bench, cache_prompt, chat, convert, demo, oneshot, serve, train
 from .blas import active_blas
+from .cpu_attention import status as cpu_attention_status
 from .distributed import is_backend_error, refuse_distributed, world_group
 from .few_rows_quantized import status as few_rows_quantized_status
 from .kernels.cuda import cuda_available
@@ -67,6 +68,7 @@ def system_rows() -> list[tuple[str, str]]:
             "quantized products",
             few_rows_quantized_status() if mx.default_device() == mx.cpu else "MLX's",
         ),
+        ("verify attention", cpu_attention_status() if mx.default_device() == mx.cpu else "MLX's"),
         ("block-attention kernels", active_backend()),
         ("verify forward", backends.PATHS[backends.current()]),
         ("dflash-mlx cache", str(cache_dir())),

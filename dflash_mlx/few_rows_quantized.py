@@ -13,7 +13,7 @@ with nanobind in MLX's own nanobind domain, so `mx.array`s pass in and out as th
 is how MLX documents custom CPU ops; the alternatives break the graph (evaluating x and calling
 C through ctypes: a synchronisation per layer) or exist only on a GPU (`mx.fast.metal_kernel`,
 `mx.fast.cuda_kernel`). The extension is built once per machine against the installed wheel's
-headers and library (cached by `native.py`), then checked against `mx.quantized_matmul` for
+headers and library (cached: `mlx_extension.py`), then checked against `mx.quantized_matmul` for
 4/8 bits x groups 32/64/128 before it is used: a build failure or a single differing bit (a
 wheel whose product sums in another order, as MLX's SIMD path on ARM does) leaves MLX's own
 product in place, and `status()` (`dflash-mlx info`) says why. DFLASH_MLX_NO_FEW_ROWS_QMM=1
@@ -27,10 +27,6 @@ float32 and MLX's product otherwise (one row, mxfp4 and other modes, 2/3/5/6 bit
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-import sysconfig
 from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
@@ -40,104 +36,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import native
+from . import mlx_extension
 from .swaps import Swap
 
 C_SOURCE = Path(__file__).with_name("few_rows_qmm.c")
 CXX_SOURCE = Path(__file__).with_name("few_rows_qmm.cpp")
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC")  # no FMA: MLX's rounding
-CXX_FLAGS = ("-O2", "-fPIC", "-fvisibility=hidden", "-DNB_COMPACT_ASSERTIONS")
 BITS, GROUP_SIZES = (4, 8), (32, 64, 128)
 
 _reason = "not attempted"
 
 
-def _build_commands(openmp: bool):
-    """The compiler command lines that build the extension (`native.build`)."""
-    import nanobind
-
-    nb = Path(nanobind.__file__).parent
-    mlx_dir, python = Path(mx.__file__).parent, sysconfig.get_paths()["include"]
-    cc, cxx = native.compiler("c"), native.compiler("c++")
-    omp = ["-fopenmp"] if openmp else []
-
-    def commands(out: str, scratch: str) -> list[list[str]]:
-        kernel, backend, ext = (os.path.join(scratch, f"{n}.o") for n in ("k", "nb", "ext"))
-        nb_includes = [f"-I{nb / 'include'}", f"-I{python}"]
-        return [
-            [cc, *C_FLAGS, *omp, "-c", str(C_SOURCE), "-o", kernel],
-            [
-                cxx,
-                *CXX_FLAGS,
-                "-std=c++17",
-                "-fno-strict-aliasing",
-                "-DNB_BUILD",
-                *nb_includes,
-                f"-I{nb / 'ext' / 'robin_map' / 'include'}",
-                "-c",
-                str(nb / "src" / "nb_combined.cpp"),
-                "-o",
-                backend,
-            ],  # fmt: skip
-            [
-                cxx,
-                *CXX_FLAGS,
-                "-std=c++20",
-                "-DNB_DOMAIN=mlx",
-                *nb_includes,
-                f"-I{mlx_dir / 'include'}",
-                "-c",
-                str(CXX_SOURCE),
-                "-o",
-                ext,
-            ],  # fmt: skip
-            [
-                cxx,
-                "-shared",
-                *omp,
-                ext,
-                backend,
-                kernel,
-                f"-L{mlx_dir / 'lib'}",
-                "-lmlx",
-                f"-Wl,-rpath,{mlx_dir / 'lib'}",
-                "-o",
-                out,
-            ],  # fmt: skip
-        ]
-
-    key = [C_SOURCE.read_text(), CXX_SOURCE.read_text(), cc, cxx, *C_FLAGS, *CXX_FLAGS, *omp]
-    key += [nanobind.__version__, mx.__version__, str(mlx_dir), sys.version]
-    return native.cached_path("few_rows_qmm", key), commands
-
-
-def _built() -> Path:
-    """The extension for these sources, MLX, nanobind and CPU: with OpenMP, or on one thread
-    where the compiler has none; built once."""
-    builds = [_build_commands(openmp) for openmp in (True, False)]
-    for path, _ in builds:
-        if path.exists():
-            return path
-    errors = []
-    for path, commands in builds:
-        try:
-            native.build(path, commands)
-            return path
-        except RuntimeError as exc:
-            errors.append(str(exc))
-    raise RuntimeError(errors[0])
-
-
-def _import(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_few_rows_qmm", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _differs_from_mlx(ext: ModuleType) -> str | None:
     """Where the extension's product differs from MLX's one-row products by any bit (odd N,
-    K past a whole chunk, 2 and the most rows), or None."""
+    K past a whole chunk, 2 and the most rows), in words, or None."""
     rng = np.random.default_rng(0)
     n, k = 40, 384
     for bits in BITS:
@@ -152,7 +64,7 @@ def _differs_from_mlx(ext: ModuleType) -> str | None:
                     for row in x
                 ]
                 if not np.array_equal(np.array(ours), np.array(mx.concatenate(theirs))):
-                    return f"{bits}-bit, group {group}, {rows} rows"
+                    return f"differs from MLX's product ({bits}-bit, group {group}, {rows} rows)"
     return None
 
 
@@ -161,21 +73,16 @@ def extension() -> ModuleType | None:
     """The built extension, checked against MLX's product on this machine; None where it is
     disabled, cannot be built or differs (the reason is kept for `status`)."""
     global _reason
-    if os.environ.get("DFLASH_MLX_NO_FEW_ROWS_QMM", "") not in ("", "0"):
-        _reason = "disabled by DFLASH_MLX_NO_FEW_ROWS_QMM"
-        return None
-    try:
-        ext = _import(_built())
-    except (ImportError, OSError, RuntimeError) as exc:
-        _reason = f"not built ({exc}); MLX's product"
-        return None
-    try:
-        with mx.stream(mx.cpu):
-            differs = _differs_from_mlx(ext)
-    except (TypeError, RuntimeError) as exc:  # TypeError: another nanobind ABI than MLX's
-        differs = f"failed: {exc}"
-    if differs:
-        _reason = f"differs from MLX's product ({differs}); MLX's product"
+    ext, why = mlx_extension.load_checked(
+        "few_rows_qmm",
+        C_SOURCE,
+        CXX_SOURCE,
+        C_FLAGS,
+        "DFLASH_MLX_NO_FEW_ROWS_QMM",
+        _differs_from_mlx,
+    )
+    if ext is None:
+        _reason = f"{why}; MLX's product"
         return None
     _reason = f"in use for 2-{ext.max_rows()} rows, 4/8 bits"
     return ext

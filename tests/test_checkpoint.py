@@ -450,4 +450,4 @@ def test_context_window_attends_to_the_last_positions_only(published):
     assert mx.allclose(logits(windowed, features), logits(draft, features[:, -8:]), atol=1e-4)
     assert not mx.allclose(logits(draft, features), logits(draft, features[:, -8:]), atol=1e-2)
     with pytest.raises(ValueError, match="context_window"):
-        load_draft(draft_dir, context_window=0)
+        load_draft(draft_dir, context_window=-1)
