@@ -281,7 +281,7 @@ def test_sampled_walk_keeps_speculative_sampling_exact():
     rng = np.random.default_rng(0)
     p1 = rng.dirichlet(np.ones(vocab))
     p2 = rng.dirichlet(np.ones(vocab), size=vocab)  # the target's next token given the first
-    verifier = make_verifier(temperature=1.0)
+    verifier = make_verifier(temperature=1.0, acceptance="speculative")
     pairs = []
     for _ in range(4000):
         tokens, logq = selector.walk(hidden, logits, mx.array(2), verifier.propose)
