@@ -11,7 +11,8 @@ wait policy and thread count once, when it starts.
 
 Settings: `default` (as shipped: idle threads sleep), `spin` (OpenMP's and OpenBLAS's own
 defaults, as before the library chose: idle threads spin a while), `omp-spin` (OpenMP's
-default alone), `one-thread` (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1).
+default alone), `short-spin` (OpenMP's threads spin 20,000 rounds, then sleep), `one-thread`
+(OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SETTINGS = {
     # cycles (each yielding the core between rounds)
     "spin": {"GOMP_SPINCOUNT": "300000", "OPENBLAS_THREAD_TIMEOUT": "28"},
     "omp-spin": {"GOMP_SPINCOUNT": "300000"},
+    "short-spin": {"GOMP_SPINCOUNT": "20000"},  # ~20-60 us between products, then sleep
     "one-thread": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
 }
 SPIN = "while True: pass"
