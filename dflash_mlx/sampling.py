@@ -220,6 +220,8 @@ class Verifier:
     def noise(self, positions: list[int], vocab: int) -> mx.array:
         """The reply's Gumbel noise (len(positions), vocab), kept for the cycle: a position's
         noise serves the drafter's row, the target's and every tree node at that depth."""
+        if not self.vocab:  # the same noise for every cycle would not be a sample
+            raise ValueError("a coupled verifier needs at(position, vocab) before each cycle")
         if self.seed is None:  # a verifier used without `for_reply`: a seed of its own
             self.seed = mx.random.randint(0, 2**31 - 1, key=self._next_key()).item()
         for position in positions:

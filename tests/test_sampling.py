@@ -362,3 +362,13 @@ def test_block_of_four_is_exact_in_distribution(loaded, name):
     assert counts[0] > 0 and counts[1:].sum() > 0  # both accepted drafts and resamples ran
     for k in (2, 3):
         assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
+
+
+def test_a_coupled_verifier_refuses_to_verify_without_its_position():
+    """Without `at(position, vocab)` every cycle would draw the same noise: not a sample."""
+    verifier = make_verifier(temperature=1.0)
+    drafts, logits = mx.array([1, 2], dtype=mx.uint32), mx.zeros((3, 8))
+    with pytest.raises(ValueError, match="needs at"):
+        verifier.verify(drafts, None, logits)
+    verifier.at(5, 8)
+    assert verifier.verify(drafts, None, logits).token.item() in range(8)
