@@ -118,7 +118,8 @@ class PendingChain:
     size: int
     drafts: mx.array
     verdict: Verdict
-    launching: float = 0.0  # host seconds spent launching it while the cycle before ran
+    launching: float = 0.0  # host seconds spent building it while the cycle before ran
+    waited: float = 0.0  # seconds its launch waited for the cycle before's token (that cycle's)
 
 
 class ChainStep:
@@ -168,9 +169,8 @@ class ChainStep:
             seq.tokens.append(pending.root)
             tic = time.perf_counter()
             queued = self.next.launch(verdict.token[None].astype(mx.int32), remaining - 1)
-            # the next cycle's host work is its own cost, not this step's (a tree's launch
-            # waited for this step's token: that wait is this step's)
-            queued.launching = time.perf_counter() - tic - queued.launching
+            # the next cycle's host work is its own cost, not this step's
+            queued.launching = time.perf_counter() - tic - queued.waited
         read = read_together([pending.drafts, verdict.accepted, verdict.token], mx.int32)
         drafts, accepted, token = (part.tolist() for part in read)
         if isinstance(queued, PendingChain):
@@ -201,6 +201,7 @@ class PendingTree:
     choices: mx.array | None
     proposed: bool
     launching: float = 0.0  # as `PendingChain`'s
+    waited: float = 0.0  # as `PendingChain`'s
 
 
 class TreeStep:
@@ -302,7 +303,7 @@ class SwitchStep:
         start = cache[0].offset
         try:
             pending = self.tree.launch(root, remaining, plan.drafts)
-            pending.launching = waited  # `ChainStep.settle` takes it out of the launch's time
+            pending.waited = waited
             return pending
         except ValueError:
             if self.policy.trees_measured:
