@@ -6,17 +6,27 @@ mlx-lm's `stream_generate`), so taking our generator would mean copying most of
 it. FastAPI gives validated requests (pydantic) and streaming on a maintained
 ASGI stack, and leaves us only the OpenAI response shapes to write.
 
-One worker thread owns the model and runs one generation at a time; requests
-wait their turn in arrival order, at most `--max-queue` of them (more get 503
-with Retry-After). The worker shares one prompt cache across requests (a
+One worker thread owns the model and runs the generations, up to `--max-batch`
+of them together; more wait their turn in arrival order, at most `--max-queue` of
+them (more get 503 with Retry-After). The worker shares one prompt cache across requests (a
 follow-up turn of a chat prefills only its new part). A client that
 disconnects, streaming or not, sets its job's stop flag, which the worker
-checks after every verify cycle before moving on to the next request. Chat
-templates are rendered and prompts tokenized on a thread of their own, so a
+checks after every verify cycle; Ctrl-C or SIGTERM stops every job so, and each
+reply ends with what it has (finish reason "length") before the server exits. A
+request's failure ends its own reply only (a 500, or an error event), and only its
+message crosses to the event loop: the error's frames hold the generation's caches.
+Chat templates are rendered and prompts tokenized on a thread of their own, so a
 long prompt does not stall the event loop (and every open stream with it).
 
+Every number a request sends is bounded to what the model and MLX take (400 naming
+the field): `max_tokens` by the model's context, indices by MLX's 32-bit ones,
+sampling numbers so logits stay finite. A request names the model `/v1/models`
+lists, or none (404 `model_not_found` otherwise). Every error is JSON in OpenAI's
+shape, a logprob that is not a number reads as -9999.0.
+
 Clients are bounded before they cost anything: only JSON bodies (415 otherwise) up
-to `--max-body-bytes` (413), only Host names this server answers to (421: DNS
+to `--max-body-bytes` (413, the rest of the body then read and dropped so a client
+still sending reads the answer), only Host names this server answers to (421: DNS
 rebinding), no CORS unless `--allowed-origins`; at most `--max-connections` open
 connections (the longest idle one makes room for a new one), each given
 `--request-timeout` seconds to send a whole request (uvicorn alone waits forever for
@@ -35,6 +45,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -65,6 +76,7 @@ from pydantic import (
     model_validator,
 )
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -101,6 +113,16 @@ class Strict(BaseModel):
 
 
 MAX_SEED = 2**32 - 1  # what a request's `seed` may be
+MAX_INDEX = 2**31 - 1  # MLX slices and counts with 32-bit integers
+# Sampling numbers far past any useful value, bounded so logits stay finite: 1e308 is
+# infinite in float32 already, the sampler scales logits by 1 / temperature (infinite for a
+# temperature of 1e-300), a repetition penalty multiplies or divides them, and the additive
+# penalties and biases add to them. An infinite logit makes every probability NaN.
+MIN_SCALE, MAX_SCALE = 0.01, 100.0  # a temperature or repetition penalty, but for 0 (off)
+MAX_PENALTY = 1000.0  # presence and frequency penalties, either sign
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's
+# What a logprob that is not a number, or -inf, reads as in JSON (as OpenAI writes it).
+NO_LOGPROB = -9999.0
 # A prompt's text is bounded before it is tokenized, at this many characters per token
 # of the model's context: more than any tokenizer packs into one token.
 PROMPT_CHARS_PER_TOKEN = 64
@@ -145,6 +167,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "xtc_probability": (0, 0.0),
     "adapters": (),
 }
+
+
+class FieldError(ValueError):
+    """A whole request's check that found one field wrong (its error names `field`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class TextPart(Strict):
@@ -192,23 +222,25 @@ class CompletionParams(Strict):
     """Fields both endpoints take; unset sampling fields fall back to the server's flags."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INDEX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INDEX)
+    temperature: float | None = Field(None, ge=0, le=MAX_SCALE)
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=MAX_INDEX)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(None, ge=0)
-    repetition_context_size: int | None = Field(None, ge=0)
-    presence_penalty: float | None = None
-    presence_context_size: int | None = Field(None, ge=0)
-    frequency_penalty: float | None = None
-    frequency_context_size: int | None = Field(None, ge=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        None
+    )
+    repetition_penalty: float | None = Field(None, ge=0, le=MAX_SCALE)
+    repetition_context_size: int | None = Field(None, ge=0, le=MAX_INDEX)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_context_size: int | None = Field(None, ge=0, le=MAX_INDEX)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_context_size: int | None = Field(None, ge=0, le=MAX_INDEX)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -222,6 +254,13 @@ class CompletionParams(Strict):
         if isinstance(self.logprobs, bool) or self.logprobs is None:
             return self.top_logprobs or 0 if self.logprobs or self.top_logprobs else None
         return self.logprobs
+
+    @field_validator("temperature", "repetition_penalty")
+    @classmethod
+    def off_or_in_scale(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_SCALE:
+            raise ValueError(f"0 or at least {MIN_SCALE}, got {value}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -249,7 +288,8 @@ class CompletionParams(Strict):
             for name, harmless in UNSUPPORTED.items():
                 value = body.get(name)
                 if value is not None and value not in harmless:
-                    raise ValueError(f"{name}={json.dumps(value)} is not supported by this server")
+                    message = f"{name}={json.dumps(value)} is not supported by this server"
+                    raise FieldError(name, message)
         return body
 
     @property
@@ -285,9 +325,47 @@ class TextRequest(CompletionParams):
         return prompt
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return JSONResponse({"error": body}, status_code=status)
+def error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    response: type[JSONResponse] = JSONResponse,
+) -> JSONResponse:
+    """An error in OpenAI's shape: the client's request (4xx) or the server's fault (5xx)."""
+    return response(error_body(status, message, param, code), status_code=status)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+DRAIN_BYTES = 64 * 2**20  # of a refused request's body read and dropped, at most
+
+
+class Unread(JSONResponse):
+    """An error answered before the request's body is read, which then reads the rest of the
+    body and drops it (at most `DRAIN_BYTES`; `--request-timeout` bounds the time), as
+    nginx lingers before closing. Closing with the body unread resets the connection, and a
+    client still sending (urllib, requests, http.client) never reads the answer.
+
+    The answer goes first, whole (its length is in its head): a client waiting to send its
+    body (`Expect: 100-continue`, as curl's large uploads) reads it and sends nothing."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        drained = 0
+        while drained <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                break
+            drained += len(message.get("body", b""))
+        await send({"type": "http.response.body", "body": b""})
 
 
 CLIENT_GONE = "client gone before sending its whole request"
@@ -309,14 +387,29 @@ async def parse(request: Request, schema: type[Strict], max_bytes: int) -> Any:
         log.info(CLIENT_GONE)
         return error(400, CLIENT_GONE)  # to no one: uvicorn drops it
     if body is None:
-        return error(413, f"the request body is over {max_bytes} bytes (--max-body-bytes)")
+        message = f"the request body is over {max_bytes} bytes (--max-body-bytes)"
+        return error(413, message, response=Unread)
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        found = first.get("ctx", {}).get("error")
+        where = ".".join(str(p) for p in first["loc"]) or getattr(found, "field", "")
         message = first["msg"].removeprefix("Value error, ")
         return error(400, f"{where or 'body'}: {message}", where or None)
+
+
+async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a method a route does not take) in OpenAI's
+    shape too, not as `{"detail": ...}`."""
+    response = error(exc.status_code, f"{exc.detail}")
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def server_fault(_: Request, exc: Exception) -> JSONResponse:
+    """A bug's 500 in OpenAI's shape too (uvicorn still logs it, with its traceback)."""
+    return error(500, f"internal error: {exc}")
 
 
 def media_type(request: Request) -> str:
@@ -392,7 +485,7 @@ class HostCheck:
             host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
             if host not in self.hosts:
                 message = f"Host {host!r} is not served here (allow it with --allowed-hosts)"
-                await error(421, message, "Host")(scope, receive, send)
+                await error(421, message, "Host", response=Unread)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -402,13 +495,16 @@ class KeyCheck:
     <key>` (compared in constant time). /health stays open for load balancers."""
 
     def __init__(self, app: ASGIApp, key: str):
-        self.app, self.key = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
-                response = error(401, "a valid API key is needed (Authorization: Bearer <key>)")
+            scheme, _, token = given.strip().partition(b" ")
+            matches = hmac.compare_digest(token.strip(), self.key)
+            if not (matches and scheme.lower() == b"bearer"):  # a case-insensitive name (RFC 9110)
+                message = "a valid API key is needed (Authorization: Bearer <key>)"
+                response = error(401, message, response=Unread)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
@@ -428,11 +524,26 @@ NOISY = {
 
 
 RETRY_AFTER_S = 5
+# The finish reason of a reply whose generation stopped before its end (the server shutting
+# down): cut short, as by its token limit. OpenAI's reasons have none of its own.
+CUT_SHORT = "length"
+STARTUP_FAILURE = 3  # the exit status of a server that could not start, as `uvicorn.run`'s
 KEEP_ALIVE_S = 5  # an idle connection is closed after this long
 
 
 class QueueFull(Exception):
     """More requests are waiting for the worker than the server takes."""
+
+
+class GenerationFailed(Exception):
+    """A request's own generation failed (the others go on)."""
+
+
+@dataclass
+class Failed:
+    """What the worker thread sends a request whose generation failed."""
+
+    message: str
 
 
 class Worker:
@@ -473,8 +584,19 @@ class Worker:
         self.batch = make_batch(model, draft)
         self.waiting: deque[tuple[Job, threading.Event, Callable]] = deque()
         self.scheduling = False  # whether the worker thread runs `_schedule`
+        self.closing = False  # the server is shutting down: every generation stops
         self.pending = 0  # generations waiting or running
         self._pending_lock = threading.Lock()
+
+    def stop_all(self) -> None:
+        """Stop every generation, running or waiting, at its next cycle: the server is
+        shutting down, and each reply ends with what it has (`CUT_SHORT`). A flag, not a
+        lock: this runs in a signal handler, on the thread that may hold the lock."""
+        self.closing = True
+
+    def stopped(self, stop: threading.Event) -> bool:
+        """Whether a generation must stop now: its client left, or the server is closing."""
+        return stop.is_set() or self.closing
 
     def close(self) -> None:
         """Let the worker threads go, after the jobs they have. Each first frees the MLX
@@ -562,13 +684,13 @@ class Worker:
     def _start(self, job: Job, stop: threading.Event, put: Callable) -> Running | None:
         """The request's running generation, or None when it ended before starting."""
         started = Running(job, stop, put, (response for response in ()))
-        if stop.is_set():  # the client left while waiting its turn
+        if self.stopped(stop):  # the client left while waiting its turn
             self._end(started)
             return None
         log.info("generating: %d prompt tokens", len(job.prompt))
         try:
             self.lockstep.send(asdict(job))
-            started.responses = self.generate(job, stop.is_set)
+            started.responses = self.generate(job, partial(self.stopped, stop))
         except Exception as exc:
             self._fail(started, exc)
             return None
@@ -594,7 +716,10 @@ class Worker:
         return True
 
     def _fail(self, running: Running, exc: Exception) -> None:
-        running.put(exc)
+        """End the request with its error's message: only the message crosses to the event
+        loop, not the error, whose frames hold this generation's caches and arrays."""
+        log.warning("generation failed: %s", exc)
+        running.put(Failed(str(exc)))
         if self.lockstep.group is not None and is_backend_error(exc):
             abort(f"dflash-mlx serve: error: rank 0: {exc}")  # the ranks are out of step
         self._end(running)
@@ -628,8 +753,8 @@ class Worker:
         async def responses() -> AsyncIterator[tuple[GenerationResponse, list[dict] | None]]:
             try:
                 while (item := await queue.get()) is not None:
-                    if isinstance(item, Exception):
-                        raise item
+                    if isinstance(item, Failed):
+                        raise GenerationFailed(item.message)
                     yield item
             finally:
                 stop.set()
@@ -683,6 +808,7 @@ def logprob_entries(
     best_logprobs = mx.take_along_axis(best_logprobs, order, axis=-1).tolist()
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
+        logprob = logprob if math.isfinite(logprob) else NO_LOGPROB
         return {"id": token, "token": tokenizer.convert_ids_to_tokens(token), "logprob": logprob}
 
     return [
@@ -711,6 +837,8 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
 
     docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, **docs)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_fault)
     if policy.api_key:  # inside CORS, which answers browsers' preflights without a key
         app.add_middleware(KeyCheck, key=policy.api_key)
     if policy.origins:
@@ -740,6 +868,8 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
         body = await parse(request, ChatRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
+        if unknown := unknown_model(body.model):
+            return unknown
         messages = [m.for_template() for m in body.messages]
         if too_long := over(text_size(messages) + text_size(body.tools), "messages"):
             return too_long
@@ -758,6 +888,8 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
         body = await parse(request, TextRequest, policy.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
+        if unknown := unknown_model(body.model):
+            return unknown
         if too_long := over(text_size(body.prompt), "prompt"):
             return too_long
         try:
@@ -765,6 +897,14 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
         except ValueError as exc:
             return error(400, str(exc), "prompt")
         return await complete(request, body, ids, "text_completion")
+
+    def unknown_model(name: str | None) -> JSONResponse | None:
+        """404 for a model this server does not serve, as OpenAI answers: a client asking
+        for another model must not be answered by this one."""
+        if name is None or name == model_id:
+            return None
+        message = f"the model {name!r} does not exist here; this server serves {model_id!r}"
+        return error(404, message, "model", "model_not_found")
 
     def over(chars: int, name: str) -> JSONResponse | None:
         if chars <= max_chars:
@@ -779,8 +919,13 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
             return error(
                 400, f"the prompt has {len(ids)} tokens; the context holds {worker.max_context}"
             )
+        asked = body.max_completion_tokens or body.max_tokens
+        if worker.max_context and asked and asked > worker.max_context:
+            name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            message = f"{name}: {asked} is over the model's context of {worker.max_context} tokens"
+            return error(400, message, name)
         requested = {
-            "max_tokens": body.max_completion_tokens or body.max_tokens,
+            "max_tokens": asked,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
@@ -917,9 +1062,10 @@ class Reply:
             self.made_tool_call = True
         self.tool_text = ""
 
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> str:
+        """Why the reply ended; `CUT_SHORT` when its generation was stopped before its end."""
         finish = self.stats.last.finish_reason if self.stats.last else None
-        return "tool_calls" if finish == "stop" and self.made_tool_call else finish
+        return "tool_calls" if finish == "stop" and self.made_tool_call else finish or CUT_SHORT
 
     def take(self) -> tuple[str, str, list, dict | None]:
         """Content, reasoning, formatted tool calls and logprobs gathered since the last take."""
@@ -989,13 +1135,14 @@ class Reply:
         try:
             async for response, logprobs in responses:
                 self.add(response, logprobs)
-                if response.finish_reason is not None:
-                    choice = self.choice(self.finish_reason())
-                    yield event(self.body(choice, dflash=self.stats.as_dict()))
-                elif self.content or self.reasoning or self.calls:
+                if response.finish_reason is None and (
+                    self.content or self.reasoning or self.calls
+                ):
                     yield event(self.body(self.choice(None)))
+            # the last chunk, also of a reply stopped before its end
+            yield event(self.body(self.choice(self.finish_reason()), dflash=self.stats.as_dict()))
         except Exception as exc:
-            yield event({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
+            yield event(error_body(500, f"generation failed: {exc}"))
         if include_usage:
             yield event(self.body(usage=self.usage()))
         yield "data: [DONE]\n\n"
@@ -1025,11 +1172,25 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-timeout must be above 0, got {args.request_timeout}")
 
 
-def serve_http(app: FastAPI, args: argparse.Namespace) -> None:
-    """Serve `app` with the flags' bounds on connections and on slow clients."""
+class Server(uvicorn.Server):
+    """uvicorn's server, which on Ctrl-C or SIGTERM also stops every generation at its next
+    cycle: uvicorn waits for every open response to end before it exits, and a stream
+    would otherwise run to its `max_tokens` first."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.worker.stop_all()
+        super().handle_exit(sig, frame)
+
+
+def serve_http(app: FastAPI, worker: Worker, args: argparse.Namespace) -> None:
+    """Serve `app` (on `worker`) with the flags' bounds on connections and slow clients."""
     for name, messages in NOISY.items():  # uvicorn's logging set-up keeps loggers' filters
         logging.getLogger(name).addFilter(Repeats(messages))
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -1038,6 +1199,13 @@ def serve_http(app: FastAPI, args: argparse.Namespace) -> None:
         limit_concurrency=args.max_connections,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    server = Server(config, worker)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C while shutting down, as `uvicorn.run`
+        pass
+    if not server.started:  # e.g. the port taken: uvicorn has logged why
+        raise SystemExit(STARTUP_FAILURE)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -1072,4 +1240,4 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.api_key is None and host_name(args.host) not in LOCAL_HOSTS:
         log.warning("serving %s without --api-key: anyone who can reach it may use it", args.host)
-    serve_http(create_app(worker, model_name(args.model), policy), args)
+    serve_http(create_app(worker, model_name(args.model), policy), worker, args)

@@ -241,8 +241,12 @@ def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
     argv = [sys.executable, "-m", "dflash_mlx", "serve", "--block-size", "4", "--port", str(port)]
     with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 12)], tmp_path) as procs:
         client = openai_client(port)
-        reply = when_up(lambda: client.chat.completions.create(model="m", messages=messages), procs)
-        again = client.completions.create(model="m", prompt=text, max_tokens=5, stop=["zzz"])
+        reply = when_up(
+            lambda: client.chat.completions.create(model="llama-tied-gqa", messages=messages), procs
+        )
+        again = client.completions.create(
+            model="llama-tied-gqa", prompt=text, max_tokens=5, stop=["zzz"]
+        )
         procs[0].send_signal(signal.SIGTERM)  # shut the server down: the other rank is released
         results = outputs(procs)
     assert reply.choices[0].message.content == expected
@@ -262,7 +266,7 @@ def test_serve_ends_with_an_error_when_a_rank_died_between_requests(make_pair, t
         os.killpg(procs[1].pid, signal.SIGKILL)
         procs[1].wait()
         with pytest.raises((APIConnectionError, InternalServerError)):  # 500, or the server gone
-            client.completions.create(model="m", prompt="hello")
+            client.completions.create(model="llama-tied-gqa", prompt="hello")
         rc, _, err = outputs(procs[:1])[0]
     assert rc == 1, err
     assert err.strip().splitlines()[-1].startswith("dflash-mlx serve: error: rank 0: [ring]")

@@ -24,6 +24,7 @@ from dflash_mlx import GenerationSettings
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 from dflash_mlx.server import Worker, create_app
 
+MODEL = "llama-tied-gqa"  # the id the server lists: its directory's name
 PROMPTS = [
     "How many apples?",
     "The quick brown fox",
@@ -42,10 +43,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def running_server(target, draft, log, *flags: str):
-    """Start `dflash-mlx serve` (with `flags`) on a free port; yields (port, log path, process),
-    then stops it."""
+def start_server(target, draft, log, *flags: str) -> tuple[int, subprocess.Popen]:
+    """`dflash-mlx serve` (with `flags`) on a free port, once it answers: (port, process)."""
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target)]
     cmd += ["--draft", str(draft), "--block-size", "4", "--port", str(port), *flags]
@@ -55,12 +54,18 @@ def running_server(target, draft, log, *flags: str):
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if get(port, "/health")[0] == 200:
-                break
+                return port, proc
         except OSError:
             time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start:\n{log.read_text()}")
+    proc.kill()
+    pytest.fail(f"server did not start:\n{log.read_text()}")
+
+
+@contextmanager
+def running_server(target, draft, log, *flags: str):
+    """Start `dflash-mlx serve` (with `flags`) on a free port; yields (port, log path, process),
+    then stops it."""
+    port, proc = start_server(target, draft, log, *flags)
     try:
         yield port, log, proc
     finally:
@@ -122,7 +127,7 @@ def client(server):
 def chat(client, prompt: str, max_tokens: int = 16, **kwargs):
     messages = [{"role": "user", "content": prompt}]
     return client.chat.completions.create(
-        model="default", messages=messages, max_tokens=max_tokens, **kwargs
+        model=MODEL, messages=messages, max_tokens=max_tokens, **kwargs
     )
 
 
@@ -148,7 +153,7 @@ def test_chat_and_text_completions_equal_greedy_decoding(client, loaded):
     assert kinds == stats["cycles"] and stats["strategy"]
     assert "drafting_off_reason" in stats and "drafting_off_since_cycle" in stats
 
-    completion = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=12)
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12)
     text, n = greedy_text(loaded, PROMPTS[1], 12, chat=False)
     assert completion.choices[0].text == text
     assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens == n
@@ -167,11 +172,11 @@ def test_streaming_matches_the_whole_reply(client):
         chunks[-1].usage.completion_tokens == finals[0].model_extra["dflash"]["generation_tokens"]
     )
 
-    stream = client.completions.create(model="d", prompt=PROMPTS[3], max_tokens=10, stream=True)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, stream=True)
     streamed = "".join(c.choices[0].text for c in stream)
     assert (
         streamed
-        == client.completions.create(model="d", prompt=PROMPTS[3], max_tokens=10).choices[0].text
+        == client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10).choices[0].text
     )
 
 
@@ -260,17 +265,17 @@ def test_stop_strings_end_the_reply_before_them_streaming_or_not(client, loaded)
 
     reference, _ = greedy_text(loaded, PROMPTS[5], 40, chat=False)
     stop = stop_in(reference, 1)
-    completion = client.completions.create(model="d", prompt=PROMPTS[5], max_tokens=40, stop=stop)
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=40, stop=stop)
     assert completion.choices[0].text == reference[: reference.index(stop)]
 
 
 def test_list_prompt_and_max_completion_tokens(client, loaded):
     text, n = greedy_text(loaded, PROMPTS[3], 9, chat=False)
-    completion = client.completions.create(model="d", prompt=[PROMPTS[3]], max_tokens=9)
+    completion = client.completions.create(model=MODEL, prompt=[PROMPTS[3]], max_tokens=9)
     assert completion.choices[0].text == text and completion.usage.completion_tokens == n
     text, n = greedy_text(loaded, PROMPTS[4], 7)
     reply = client.chat.completions.create(
-        model="d", messages=[{"role": "user", "content": PROMPTS[4]}], max_completion_tokens=7
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[4]}], max_completion_tokens=7
     )
     assert reply.choices[0].message.content == text and reply.usage.completion_tokens == n
 
@@ -294,7 +299,7 @@ def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, 
     bias = {57: -4.0, 120: 5.0}
     expected, _ = greedy_text(loaded, PROMPTS[7], 16, chat=False, logit_bias=bias)
     completion = client.completions.create(
-        model="d", prompt=PROMPTS[7], max_tokens=16, logit_bias={"57": -4.0, "120": 5.0}
+        model=MODEL, prompt=PROMPTS[7], max_tokens=16, logit_bias={"57": -4.0, "120": 5.0}
     )
     assert completion.choices[0].text == expected
 
@@ -328,7 +333,9 @@ def test_a_tool_call_round_trip(tool_client, loaded):
     # outweighs it), then EOS: a tool call as a real model would make one.
     forced = dict(logit_bias={str(call_token): 100.0, str(eos): 50.0}, presence_penalty=200.0)
     for stream in (False, True):
-        request = dict(model="d", messages=messages, tools=[WEATHER], max_tokens=8, **forced)
+        request = dict(
+            model="llama-tools", messages=messages, tools=[WEATHER], max_tokens=8, **forced
+        )
         if stream:
             chunks = list(tool_client.chat.completions.create(stream=True, **request))
             calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
@@ -347,7 +354,7 @@ def test_a_tool_call_round_trip(tool_client, loaded):
         {"role": "tool", "tool_call_id": made.id, "content": "22 C and sunny"},
     ]
     reply = tool_client.chat.completions.create(
-        model="d", messages=messages + answer, tools=[WEATHER], max_tokens=12
+        model="llama-tools", messages=messages + answer, tools=[WEATHER], max_tokens=12
     )
     # What mlx-lm renders from the same conversation (arguments as an object).
     rendered_call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
@@ -369,7 +376,7 @@ def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
     text = chat_prompt(tokenizer, messages, style="terse")
     assert "(terse)" in text
     reply = tool_client.chat.completions.create(
-        model="d",
+        model="llama-tools",
         messages=messages,
         max_tokens=10,
         extra_body={"chat_template_kwargs": {"style": "terse"}},
@@ -377,7 +384,9 @@ def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
     expected, _ = decode_greedy(model, tokenizer, text, 10)
     assert reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
-    plain = tool_client.chat.completions.create(model="d", messages=messages, max_tokens=10)
+    plain = tool_client.chat.completions.create(
+        model="llama-tools", messages=messages, max_tokens=10
+    )
     assert plain.usage.prompt_tokens < reply.usage.prompt_tokens
 
 
@@ -413,7 +422,7 @@ def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
     assert chat(client, PROMPTS[2], max_tokens=4).choices[0].logprobs is None
 
     completion = client.completions.create(
-        model="d", prompt=text, max_tokens=12, logprobs=2, presence_penalty=0.5
+        model=MODEL, prompt=text, max_tokens=12, logprobs=2, presence_penalty=0.5
     )
     logprobs = completion.choices[0].logprobs  # the completions API's shape too
     assert logprobs.tokens == tokenizer.convert_ids_to_tokens(tokens)
@@ -566,7 +575,9 @@ def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
     with running_server(*no_template_pair, tmp_path / "server.log") as (port, log, _):
         client = openai_client(port)
         replies = [
-            client.chat.completions.create(model="d", messages=messages, max_tokens=12)
+            client.chat.completions.create(
+                model="llama-no-chat-template", messages=messages, max_tokens=12
+            )
             for _ in range(2)
         ]
         text, n = greedy_text(loaded, plain_chat(messages), 12, chat=False)

@@ -149,7 +149,7 @@ def client_session(port: int, seed: int, requests: int, expected: dict) -> list[
             continue
         messages = [{"role": "user", "content": prompt}]
         stream = client.chat.completions.create(
-            model="m", messages=messages, max_tokens=12, stream=True
+            model="llama-tied-gqa", messages=messages, max_tokens=12, stream=True
         )
         text = ""
         for i, chunk in enumerate(stream):
@@ -194,7 +194,7 @@ def test_a_client_that_never_reads_does_not_stall_the_others(busy_server, loaded
     try:
         client = openai_client(port)
         for prompt in PROMPTS[:3]:
-            reply = client.completions.create(model="m", prompt=prompt, max_tokens=8)
+            reply = client.completions.create(model="llama-tied-gqa", prompt=prompt, max_tokens=8)
             assert reply.choices[0].text == greedy_text(loaded, prompt, 8, chat=False)[0]
     finally:
         reader.close()

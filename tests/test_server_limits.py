@@ -1,21 +1,49 @@
 """`dflash-mlx serve` against clients that send too much, too slowly, from the wrong place or
-with values no sampler should see: each is refused before it costs anything, while
-`/health` stays quick and the server's memory flat. A live server on 127.0.0.1."""
+with values no sampler should see: each is refused before it costs anything (in OpenAI's
+JSON error shape, a client still sending included), while `/health` stays quick and the
+server's memory flat. A request that fails in generation, or whose client leaves, ends
+alone; SIGTERM ends every stream with a finish reason within seconds. A live server on
+127.0.0.1."""
 
 import http.client
 import json
+import math
 import os
 import resource
+import signal
 import socket
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
-from test_server import JSON, get, post, running_server, serving, wait_for
+from test_server import (
+    JSON,
+    PROMPTS,
+    get,
+    greedy_text,
+    post,
+    running_server,
+    serving,
+    start_server,
+    wait_for,
+)
 
 from dflash_mlx import GenerationSettings
-from dflash_mlx.server import CLIENT_GONE, PROMPT_CHARS_PER_TOKEN, Policy, Worker
+from dflash_mlx.response import GenerationResponse
+from dflash_mlx.server import (
+    CLIENT_GONE,
+    NO_LOGPROB,
+    PROMPT_CHARS_PER_TOKEN,
+    Policy,
+    Worker,
+    logprob_entries,
+)
 
 REQUEST_TIMEOUT_S = 2
 MAX_CONNECTIONS = 16
@@ -34,7 +62,7 @@ def server(make_pair, tmp_path_factory):
 
 def ask(port: int, method: str, path: str, body=None, headers=None):
     """(status, headers, body) of one request; a body that is an iterable goes chunked."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
         chunked = body is not None and not isinstance(body, bytes)
         conn.request(method, path, body, headers or {}, encode_chunked=chunked)
@@ -83,6 +111,7 @@ SHORT_BODY = (HEAD + 'Content-Length: 100\r\n\r\n{"prompt": ').encode()  # 88 by
 AWAITING_BODY = (HEAD + "Expect: 100-continue\r\nContent-Length: 100\r\n\r\n").encode()
 OVER_LIMIT = (HEAD + f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n").encode()  # no body sent
 HI = {"prompt": "hi", "max_tokens": 2}
+TEXT = "/v1/completions"
 TOO_LONG = "a" * (PROMPT_CHARS_PER_TOKEN * 4096 + 1)  # the test models' context: 4096 tokens
 
 
@@ -325,3 +354,308 @@ def test_running_out_of_file_descriptors_is_logged_once_with_a_count(server):
     assert "Traceback" not in text
     wait_for(lambda: get(port, "/health")[0] == 200, "the server to take connections again", 10)
     quick_health(port)
+
+
+def strict_json(text: str | bytes):
+    """JSON as the spec has it: NaN and Infinity (Python's own extension) refused."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def events_of(raw: bytes) -> list:
+    """A stream's events, each strict JSON, and the closing [DONE]."""
+    events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [strict_json(e) for e in events[:-1]]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("repetition_context_size", 2**31 + 5),  # MLX slices with 32-bit integers
+        ("presence_context_size", 2**31 + 5),
+        ("frequency_context_size", 2**40),
+        ("temperature", 1e-300),  # 1 / temperature is infinite in float32
+        ("temperature", 1e308),
+        ("top_k", 2**40),
+        ("presence_penalty", 1e308),
+        ("frequency_penalty", -1e308),
+        ("repetition_penalty", 1e308),
+        ("repetition_penalty", 1e-300),
+        ("logit_bias", {"1": 1e308}),
+        ("logit_bias", {"1": -101}),
+        ("logit_bias", {str(2**40): 1}),
+        ("top_logprobs", 21),
+        ("logprobs", 21),
+        ("max_tokens", 10**12),
+        ("max_tokens", 4097),  # the test models' context: 4096 tokens
+        ("max_completion_tokens", 2**70),
+        ("n", 2**70),
+        ("seed", 2**70),
+        ("stop", ["x"] * 1000),
+    ],
+)
+def test_every_number_out_of_what_the_model_takes_gets_400_naming_it(server, name, value):
+    body = json.dumps({**CHAT, name: value}).encode()
+    status, error = refusal(server[0], "/v1/chat/completions", body)
+    assert status == 400 and error["type"] == "invalid_request_error"
+    assert error["param"].startswith(name) and name in error["message"]
+
+
+def test_a_request_failing_in_generation_fails_alone_as_the_server_s_error(loaded, monkeypatch):
+    """A logits processor that fails from its third call on, inside a decoding cycle shared with
+    normal requests: that request alone gets a 500 (JSON, a server error), the others
+    their greedy replies."""
+    import dflash_mlx.server as server_module
+
+    make = server_module.make_logits_processors
+
+    def failing_on_a_marker(**settings):
+        processors = make(**settings)
+        if settings.get("logit_bias") != {7: 0.5}:
+            return processors
+        calls = []
+
+        def fail(tokens, logits):
+            calls.append(1)
+            if len(calls) >= 3:
+                raise RuntimeError("a processor failed")
+            return logits
+
+        return [*processors, fail]
+
+    monkeypatch.setattr(server_module, "make_logits_processors", failing_on_a_marker)
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=24))
+    normal = {"prompt": PROMPTS[1], "max_tokens": 24}
+    failing = {**normal, "logit_bias": {"7": 0.5}}
+    bodies = [normal, failing, normal, {**failing, "stream": True}, normal]
+    posted = [json.dumps(body).encode() for body in bodies]
+    with serving(worker) as port, ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: ask(port, "POST", TEXT, body, JSON), posted))
+    expected = greedy_text(loaded, PROMPTS[1], 24, chat=False)[0]
+    for body, (status, _, raw) in zip(bodies, answers):
+        if body is normal:
+            assert status == 200 and strict_json(raw)["choices"][0]["text"] == expected
+        elif body.get("stream"):
+            error = events_of(raw)[-1]["error"]
+            assert error["type"] == "server_error" and "a processor failed" in error["message"]
+        else:
+            error = strict_json(raw)["error"]
+            assert status == 500 and error["type"] == "server_error"
+            assert "a processor failed" in error["message"]
+
+
+def test_logprobs_at_the_extremes_are_valid_json_streaming_or_not(server):
+    port = server[0]
+    logprobs = {"logprobs": True, "top_logprobs": 20}
+    for bias, status in (({"1": 1e308}, 400), ({"57": 100, "58": -100, "120": 100}, 200)):
+        body = {**CHAT, "max_tokens": 6, "logit_bias": bias, **logprobs}
+        got, _, raw = ask(port, "POST", "/v1/chat/completions", json.dumps(body).encode(), JSON)
+        assert got == status, raw
+        answer = strict_json(raw)
+        stream = json.dumps({**body, "stream": True}).encode()
+        got, _, raw = ask(port, "POST", "/v1/chat/completions", stream, JSON)
+        assert got == status
+        if status == 200:
+            entries = answer["choices"][0]["logprobs"]["content"]
+            assert entries and all(len(e["top_logprobs"]) == 20 for e in entries)
+            events = events_of(raw)
+            assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_logprob_that_is_not_a_number_reads_as_openai_s_floor(loaded):
+    _, tokenizer, _ = loaded("llama-tied-gqa")
+    row = mx.array([[-math.inf, math.nan, -math.inf, 0.0, -math.inf]])  # token 3 certain
+    fields = dict(accepted=0, proposed=0, prompt_tokens=1, prompt_tps=0.0, generation_tps=0.0)
+    response = GenerationResponse("", [1], generation_tokens=1, peak_memory=0.0, **fields)
+    response.logprobs = row
+    [entry] = logprob_entries(tokenizer, response, 3)
+    strict_json(json.dumps(entry))
+    assert entry["logprob"] == NO_LOGPROB and entry["top_logprobs"][0] == {
+        "id": 3,
+        "token": tokenizer.convert_ids_to_tokens(3),
+        "logprob": 0.0,
+    }
+    assert [t["logprob"] for t in entry["top_logprobs"][1:]] == [NO_LOGPROB, NO_LOGPROB]
+
+
+def test_a_body_over_the_limit_is_answered_413_to_clients_still_sending(server):
+    """12 MB, refused at 4 MiB: the server reads and drops the rest before closing, so
+    clients that send the whole body before reading read the 413, not a reset."""
+    port = server[0]
+    body = json.dumps({"prompt": "a" * 12 * 10**6}).encode()
+    url = f"http://127.0.0.1:{port}{TEXT}"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, body, JSON), timeout=60)
+    assert refused.value.code == 413
+    assert "--max-body-bytes" in strict_json(refused.value.read())["error"]["message"]
+    status, _, raw = ask(port, "POST", TEXT, body, JSON)
+    assert status == 413 and "--max-body-bytes" in strict_json(raw)["error"]["message"]
+    quick_health(port)
+
+
+def test_the_bearer_scheme_in_any_case_and_404_for_another_model(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=4))
+    with serving(worker, Policy(api_key="K")) as port:
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            headers = {**JSON, "Authorization": f"{scheme} K"}
+            assert ask(port, "POST", TEXT, json.dumps(HI).encode(), headers)[0] == 200
+        headers = {**JSON, "Authorization": "Basic K"}
+        assert ask(port, "POST", TEXT, json.dumps(HI).encode(), headers)[0] == 401
+        headers = {**JSON, "Authorization": "bearer K"}
+        for body in ({**HI, "model": "gpt-4"}, {**CHAT, "model": "gpt-4"}):
+            path = TEXT if "prompt" in body else "/v1/chat/completions"
+            status, _, raw = ask(port, "POST", path, json.dumps(body).encode(), headers)
+            error = strict_json(raw)["error"]
+            assert status == 404 and error["code"] == "model_not_found"
+            assert error["param"] == "model" and "gpt-4" in error["message"]
+        status, _, raw = ask(port, "POST", TEXT, json.dumps({**HI, "model": "m"}).encode(), headers)
+        assert status == 200 and strict_json(raw)["model"] == "m"  # the id /v1/models lists
+
+
+def stream_request(port: int, body: dict) -> http.client.HTTPResponse:
+    """An open streaming reply, its first event read (its generation has started)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", TEXT, json.dumps({**body, "stream": True}).encode(), JSON)
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    response.readline()
+    return response
+
+
+@linux_only
+def test_sigterm_ends_every_stream_with_a_finish_reason_and_exits_within_5_s(make_pair, tmp_path):
+    log = tmp_path / "server.log"
+    port, process = start_server(*make_pair("llama-tied-gqa"), log)
+    try:
+        long = {"prompt": PROMPTS[0], "max_tokens": 3000}  # greedy: 2,524 tokens
+        streams = [stream_request(port, long) for _ in range(8)]
+        tic = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        seconds = time.monotonic() - tic
+        for stream in streams:
+            events = events_of(stream.read())
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert events[-1]["dflash"]["generation_tokens"] < 2524
+    finally:
+        process.kill()
+    assert seconds < 5, (seconds, log.read_text()[-2000:])
+    assert "Traceback" not in log.read_text()
+
+
+ODD = [  # requests a burst mixes: refused, odd but served, cut off, normal
+    {**CHAT, "repetition_context_size": 2**31 + 5, "repetition_penalty": 1.1},
+    {**CHAT, "presence_penalty": 1e308},
+    {**CHAT, "logit_bias": {"1": 1e308}, "logprobs": True, "top_logprobs": 5},
+    {**CHAT, "max_tokens": 10**12},
+    {**CHAT, "temperature": 1e-300, "top_k": 2**40},
+    {**CHAT, "max_tokens": 8, "logit_bias": {"1": 100, "2": -100}, "logprobs": True},
+    {**CHAT, "max_tokens": 8, "top_logprobs": 20, "stream": True},
+    {**CHAT, "max_tokens": 8, "temperature": 100, "top_k": 2**31 - 1, "min_p": 1e-300},
+    {**CHAT, "max_tokens": 8, "presence_penalty": -1000, "presence_context_size": 2**31 - 1},
+    {**CHAT, "max_tokens": 8, "frequency_penalty": 1000, "repetition_penalty": 100},
+]
+
+
+def burst(port: int, rounds: int) -> list[int]:
+    """`rounds` of every odd request, each beside three normal ones and a stream cut off
+    after its first event; the statuses of the odd ones."""
+
+    def normal(i: int) -> int:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12}
+        return ask(port, "POST", TEXT, json.dumps(body).encode(), JSON)[0]
+
+    def odd(body: dict) -> int:
+        status, _, raw = ask(port, "POST", "/v1/chat/completions", json.dumps(body).encode(), JSON)
+        if body.get("stream") and status == 200:
+            events_of(raw)
+        else:
+            strict_json(raw)
+        return status
+
+    def cut_off(i: int) -> int:
+        stream_request(port, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 400}).close()
+        return 200
+
+    statuses = []
+    with ThreadPoolExecutor(5) as pool:
+        for i in range(rounds * len(ODD)):
+            jobs = [pool.submit(odd, ODD[i % len(ODD)]), pool.submit(cut_off, i)]
+            jobs += [pool.submit(normal, i + j) for j in range(3)]
+            statuses.append(jobs[0].result(timeout=120))
+            assert [job.result(timeout=120) for job in jobs[1:]] == [200] * 4
+    return statuses
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_burst_of_odd_requests_beside_normal_ones_leaves_memory_flat(server):
+    """Refused, odd and cut-off requests beside normal ones (250 in all): each odd one a 400
+    or a 200, and the server's memory after the burst within 10 % of what it was after a
+    round of the same."""
+    port, _, process = server
+    assert burst(port, 1) == [400] * 5 + [200] * 5  # warm-up: what later rounds reuse
+    before = rss_kib(process.pid)
+    assert burst(port, 4) == ([400] * 5 + [200] * 5) * 4
+    after = rss_kib(process.pid)
+    assert abs(after - before) <= before / 10, (before, after)
+
+
+def test_unknown_paths_and_methods_answer_in_openai_s_shape(server):
+    port = server[0]
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", TEXT, 405)):
+        got, headers, raw = ask(port, method, path)
+        error = strict_json(raw)["error"]
+        assert got == status and error["type"] == "invalid_request_error" and error["message"]
+    assert headers["allow"] == "POST"
+
+
+def test_a_non_streaming_client_gone_stops_its_generation_within_a_cycle(loaded):
+    """The client leaves while its reply is generating: its stop flag is set, and the
+    generation ends at the cycle running then, far from its `max_tokens`."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings())
+    generate, started = worker.generate, threading.Event()
+    seen = []  # each response, and whether the generation was to stop by then
+
+    def watched(job, stop):
+        for response in generate(job, stop):
+            seen.append((response, stop()))
+            started.set()
+            yield response
+
+    worker.generate = watched
+    with serving(worker) as port:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"prompt": PROMPTS[0], "max_tokens": 3000}  # greedy: 2,524 tokens
+        conn.request("POST", TEXT, json.dumps(body).encode(), JSON)
+        assert started.wait(120)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        wait_for(lambda: worker.pending == 0, "the generation to stop", 120)
+    assert [stopping for _, stopping in seen].count(True) <= 1  # the cycle running then
+    assert seen[-1][0].finish_reason is None
+    assert seen[-1][0].generation_tokens < 2524
+
+
+def test_a_bug_is_answered_as_a_json_500(loaded):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=4))
+
+    async def broken(render):
+        raise RuntimeError("a bug")
+
+    worker.prepare = broken
+    with serving(worker) as port:
+        status, _, raw = ask(port, "POST", TEXT, json.dumps(HI).encode(), JSON)
+    error = strict_json(raw)["error"]
+    assert status == 500 and error["type"] == "server_error" and "a bug" in error["message"]
