@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
 from .loading import cast_model, default_dtype, read_config, resolve_path
+from .staging import remove_stale, staging_path
 from .target import TargetAdapter
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -285,7 +286,8 @@ def staged_dir(out: Path, force: bool) -> Iterator[Path]:
     name `out`."""
     check_out_dir(out, force)
     target = out.resolve()
-    tmp = target.with_name(f".{target.name}-{uuid.uuid4().hex[:12]}")
+    remove_stale(target)  # what a killed conversion left
+    tmp = staging_path(target, f"-{uuid.uuid4().hex[:12]}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()

@@ -1,18 +1,24 @@
 """Prompt caches saved to a file and loaded by a later run (`dflash-mlx cache-prompt`,
 `--prompt-cache-file`): the reply going on from one equals mlx-lm's greedy decoding of
-the whole prompt, for every kind of cache the targets use, and a file made for another
-target or drafter is refused in one line."""
+the whole prompt, for every kind of cache the targets use; a file made for another
+target or drafter, or altered in any field, is refused in one line; a killed
+`cache-prompt` leaves nothing behind after the next."""
 
 import json
+import os
+import subprocess
 
+import mlx.core as mx
 import pytest
 import test_families
 from helpers import reference_greedy
 from test_cli import decode_greedy, dflash
 from test_families import build, prompt_of, run
+from test_staging import dead_pid, staged_by
 
 from dflash_mlx import make_prompt_cache
-from dflash_mlx.cache_file import load_prompt_cache, save_prompt_cache
+from dflash_mlx.cache_file import PromptCacheError, load_prompt_cache, save_prompt_cache
+from dflash_mlx.cache_prompt import prefill
 from dflash_mlx.chat_format import QUERY
 from dflash_mlx.checkpoint import init_draft
 
@@ -26,8 +32,9 @@ def cached(model, draft, tokens_of, prompt, path):
     save_prompt_cache(path, cache, model, draft)
 
 
-# plain KV caches, a sliding window beside them, recurrent layers beside attention
-@pytest.mark.parametrize("name", ["llama", "gemma4_text", "qwen3_5"])
+# plain KV caches, a sliding window beside them, recurrent layers beside attention, a layer's
+# several caches (a CacheGroup)
+@pytest.mark.parametrize("name", ["llama", "gemma4_text", "qwen3_5", "glm_moe_dsa"])
 def test_a_reply_from_a_loaded_cache_equals_mlx_lm(family, tokenizer, name, tmp_path):
     model, draft, _ = family(name)
     document, question = prompt_of(40, seed=5), prompt_of(6, seed=6)
@@ -88,7 +95,173 @@ def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path)
     assert json.loads(out.stdout)["text"] == expected
     other, _ = make_pair("qwen3-tied-gqa")
     refused = dflash(f"generate --model {other} --no-draft --prompt-cache-file {path}", question)
-    assert refused.returncode == 1
-    assert refused.stderr.strip().splitlines() == [
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
         f"dflash-mlx generate: error: {path} was made for another target model (or another dtype)"
-    ]
+    )
+
+
+def leftover(out, pid: int):
+    """A cache file half written by a writer of `out` with process id `pid`."""
+    path = staged_by(out, pid, ".safetensors")
+    path.write_bytes(b"half a cache")
+    return path
+
+
+def altered(source, dest, change) -> None:
+    """`source`'s cache with `change(arrays, metadata, layout)` applied, written to `dest`."""
+    arrays, metadata = mx.load(str(source), return_metadata=True)
+    layout = json.loads(metadata["layout"])
+    change(arrays, metadata, layout)
+    if "layout" in metadata:
+        metadata["layout"] = json.dumps(layout)
+    mx.save_safetensors(str(dest), arrays, metadata)
+
+
+def set_tokens(metadata: dict, tokens) -> None:
+    metadata["tokens"] = json.dumps(tokens)
+
+
+def set_field(layout: list, name: str, tag: list) -> None:
+    """Record `tag` for field `name` of every cache."""
+    for entry in layout:
+        entry["fields"][name] = tag
+
+
+def rename(arrays: dict, old: str, new: str) -> None:
+    arrays[new] = arrays.pop(old)
+
+
+DOCUMENT = prompt_of(40, seed=5)
+# What a file could hold that no cache-prompt run writes, and the words of its refusal.
+ALTERED = {
+    "no model field": (lambda a, m, lay: m.pop("model"), "no 'model' field"),
+    "no layout field": (lambda a, m, lay: m.pop("layout"), "no 'layout' field"),
+    "an unknown field": (lambda a, m, lay: m.update(note="hi"), "an unknown field 'note'"),
+    "a renamed tensor": (
+        lambda a, m, lay: rename(a, "target.1.keys", "target.1.key"),
+        "no tensor 'target.1.keys'",
+    ),
+    "an unknown tensor": (
+        lambda a, m, lay: a.update({"target.1.extra": mx.zeros(3)}),
+        "an unknown tensor 'target.1.extra'",
+    ),
+    "float16 keys": (
+        lambda a, m, lay: a.update({"target.1.keys": a["target.1.keys"].astype(mx.float16)}),
+        "target.1.keys is float16 (1, 2, 256, 16) where this model's caches hold float32",
+    ),
+    "keys of fewer heads": (
+        lambda a, m, lay: a.update({"target.1.keys": a["target.1.keys"][:, :1]}),
+        "target.1.keys is float32 (1, 1, 256, 16)",
+    ),
+    "keys shorter than the offset": (
+        lambda a, m, lay: a.update({"draft.0.keys": a["draft.0.keys"][..., :30, :]}),
+        "draft.0.keys holds 30 of 40 positions",
+    ),
+    "more tokens than positions": (
+        lambda a, m, lay: set_tokens(m, DOCUMENT + DOCUMENT[:21]),
+        "target.0 holds 40 positions for 61 tokens",
+    ),
+    "a token beyond the vocabulary": (
+        lambda a, m, lay: set_tokens(m, [100_000] + DOCUMENT[1:]),
+        "its tokens are not all ids of this model's",
+    ),
+    "tokens not a list": (
+        lambda a, m, lay: set_tokens(m, {"tokens": DOCUMENT}),
+        "its 'tokens' field is no list of tokens",
+    ),
+    "tokens not JSON": (lambda a, m, lay: m.update(tokens="[1, 2"), "'tokens' field is not JSON"),
+    "a negative offset": (
+        lambda a, m, lay: set_field(lay, "offset", ["value", -5]),
+        "target.0.offset is -5",
+    ),
+    "an offset in words": (
+        lambda a, m, lay: set_field(lay, "offset", ["value", "40"]),
+        "target.0.offset is '40', not of type int",
+    ),
+    "a field the cache has not": (
+        lambda a, m, lay: set_field(lay, "step", ["value", 1]),
+        "target.0 has a field 'step' its KVCache has not",
+    ),
+    "a field recorded oddly": (
+        lambda a, m, lay: set_field(lay, "keys", ["array", "of floats"]),
+        "the field target.0.keys is recorded as ['array', 'of floats']",
+    ),
+    "no keys": (lambda a, m, lay: lay[2]["fields"].pop("keys"), "target.2 has no 'keys'"),
+}
+
+
+@pytest.fixture(scope="module")
+def document_cache(family, tokenizer, tmp_path_factory):
+    """(model, drafter, the file of DOCUMENT's cache) for llama."""
+    model, draft, _ = family("llama")
+    path = tmp_path_factory.mktemp("caches") / "doc.safetensors"
+    cached(model, draft, tokenizer, DOCUMENT, path)
+    return model, draft, path
+
+
+@pytest.mark.parametrize("case", list(ALTERED))
+def test_an_altered_file_is_refused_in_one_line(document_cache, tmp_path, case):
+    model, draft, path = document_cache
+    change, message = ALTERED[case]
+    altered(path, tmp_path / "altered.safetensors", change)
+    with pytest.raises(PromptCacheError) as refused:
+        load_prompt_cache(tmp_path / "altered.safetensors", model, draft)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert str(refused.value).endswith("(make it again with dflash-mlx cache-prompt)")
+
+
+def test_a_sliding_window_of_another_size_is_refused(family, tokenizer, tmp_path):
+    model, draft, _ = family("gemma4_text")
+    path = tmp_path / "doc.safetensors"
+    cached(model, draft, tokenizer, DOCUMENT, path)
+    altered(path, path, lambda a, m, lay: lay[0]["fields"].update(window=["value", 32]))
+    with pytest.raises(PromptCacheError, match="target.0.window is 32 where this model's is 16"):
+        load_prompt_cache(path, model, draft)
+
+
+def test_cache_prompt_progress_moves_within_a_short_prompt(loaded, monkeypatch, capfd):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # draw every update, however fast
+    prompt = prompt_of(600, seed=3)
+    assert prefill(model, tokenizer, draft, prompt).tokens == prompt
+    drawn = capfd.readouterr().err
+    assert all(f" {n}/600 " in drawn for n in (0, 256, 512, 600)), drawn
+
+
+def test_cache_prompt_writes_the_name_given_and_what_a_killed_run_left_goes(make_pair, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    path = tmp_path / "doc.cache"  # mlx would append .safetensors to a staged name without it
+    killed = leftover(path, dead_pid())
+    writing = leftover(path, os.getpid())  # a live process's, left alone
+    made = dflash(f"cache-prompt --model {target} --draft {draft} --prompt-cache-file {path}", "Hi")
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["doc.cache", writing.name])
+    assert not killed.exists()
+    out = dflash(f"generate --model {target} --draft {draft} --prompt-cache-file {path} -m 4", "?")
+    assert out.returncode == 0, out.stderr
+
+
+def test_generate_and_serve_refuse_an_altered_file_at_startup(make_pair, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    path = tmp_path / "doc.safetensors"
+    made = dflash(f"cache-prompt --model {target} --draft {draft} --prompt-cache-file {path}", "Hi")
+    assert made.returncode == 0, made.stderr
+    models = f"--model {target} --draft {draft}"
+    for command, case in (
+        ("generate -m 4", "no model field"),
+        ("generate -m 4", "float16 keys"),
+        ("serve --port 0", "a negative offset"),
+    ):
+        change, message = ALTERED[case]
+        bad = tmp_path / f"{case.replace(' ', '-')}.safetensors"
+        altered(path, bad, change)
+        try:
+            out = dflash(f"{command} {models} --prompt-cache-file {bad}", "?")
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{command} took {case} and started")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        error = out.stderr.strip().splitlines()[-1]  # after the line saying what loads
+        name = command.split()[0]
+        assert error.startswith(f"dflash-mlx {name}: error: {bad} is not a prompt cache")
+        assert message in error
