@@ -21,7 +21,10 @@ attention takes the verify kernel, and plain linear layers and the LM head the
 few-rows kernel in place of cuBLAS (measurements: benchmarks/README.md, "cpu_math",
 "Compiled norms and RoPE", "Verify forward on an H100"). On Metal, quantized linear layers
 and LM heads take a kernel that reads each packed weight once for 2-16 rows and sums every
-row as MLX's one-row product does, so verify logits equal decoding's bit for bit.
+row as MLX's one-row product does, so verify logits equal decoding's bit for bit. On every
+backend, DeepSeek-V3.2's sparse attention (glm_moe_dsa) computes each verify query as
+decoding does (`sparse_attention.py`): mlx-lm writes one query and several two ways, and
+a top-k selection can turn their rounding into other keys.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from . import cpu_attention, cpu_math, few_rows_quantized
+from . import cpu_attention, cpu_math, few_rows_quantized, sparse_attention
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
 from .swaps import Swap, rebound_class, swapped
@@ -124,8 +127,9 @@ def verify_swaps(
     (compiled) and, over several positions, SwiGLU, SDPA and the quantized layers and LM head
     (`few_rows_quantized.few_rows_class`); on CUDA, over several positions, SDPA and the linear
     layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`); on Metal, over
-    several positions, the quantized ones (`metal_quantized.few_rows_class`). `attention`
-    replaces mlx-lm's `scaled_dot_product_attention` everywhere (a batched forward's,
+    several positions, the quantized ones (`metal_quantized.few_rows_class`). Over several
+    positions a sparse attention computes each query as decoding does (`sparse_class`).
+    `attention` replaces mlx-lm's `scaled_dot_product_attention` everywhere (a batched forward's,
     `rows.attention`, which calls the backend's own per row).
     """
     several = positions > 1
@@ -137,9 +141,20 @@ def verify_swaps(
                 swaps.append((m, type(m), few))
             elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
                 swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
+            elif several and attention is None and (decoding := sparse_class(m, backend)):
+                swaps.append((m, type(m), decoding))
             elif verify := verify_class(type(m), backend, several, attention):
                 swaps.append((m, type(m), verify))
     return swaps
+
+
+def sparse_class(module: nn.Module, backend: str | None) -> type | None:
+    """The class a sparse attention takes over several positions: each query as decoding
+    computes it (`sparse_attention.py`), with the backend's own swap for tree forwards."""
+    if not isinstance(module, sparse_attention.SPARSE_ATTENTIONS):
+        return None
+    cls = type(module)
+    return sparse_attention.verify_class(verify_class(cls, backend) or cls)
 
 
 def verify_class(

@@ -102,7 +102,7 @@ DEEPSEEK_V3 = dict(  # MLA attention, MoE from layer 1
 )
 GPT_OSS_LAYERS = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
 SLIDING, FULL = "sliding_attention", "full_attention"
-GLM_DSA = dict(  # MLA + a sparse-attention indexer over the last 48 keys; layer 1 dense, 2-4 MoE
+GLM_DSA = dict(  # MLA + a sparse-attention indexer picking 48 keys a query; layer 1 dense, 2-4 MoE
     DEEPSEEK_V3,
     first_k_dense_replace=2,
     index_n_heads=8,
