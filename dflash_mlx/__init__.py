@@ -1,6 +1,12 @@
 """DFlash block-diffusion speculative decoding for MLX."""
 
-from .blas import active_blas, use_fast_cpu
+import warnings
+
+# `python -m dflash_mlx.generate` runs a module this package imports: runpy warns that it then
+# exists twice, which is moot here, as that module hands its command line to the CLI at once.
+warnings.filterwarnings("ignore", r"'dflash_mlx\.generate' found in sys\.modules", RuntimeWarning)
+
+from .blas import active_blas, use_fast_cpu  # noqa: E402
 
 use_fast_cpu()  # before anything imports mlx: see blas.py
 

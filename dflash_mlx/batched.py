@@ -22,7 +22,7 @@ import mlx.core as mx
 from .adaptive import BatchedBlock
 from .proposers import observe_rows, propose_chains
 from .sampling import Verdict
-from .steps import Commit, Reply
+from .steps import Commit, Reply, Sequence
 from .target import TargetAdapter
 from .tree import read_together
 
@@ -38,15 +38,40 @@ class Row:
 
 
 @dataclass
+class Mark:
+    """Where a reply stood before a shared cycle: the offsets of its caches (the target's,
+    then the drafter's) and how many tokens they hold. A cycle that fails puts every reply
+    back there (`put_back`): which row broke a forward they share cannot be told."""
+
+    offsets: list[int]
+    tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Mark:
+        return cls([c.offset for c in cycle_caches(seq)], len(seq.tokens))
+
+    def put_back(self, seq: Sequence) -> None:
+        for cache, offset in zip(cycle_caches(seq), self.offsets):
+            cache.trim(cache.offset - offset)
+        del seq.tokens[self.tokens :]
+
+
+def cycle_caches(seq: Sequence) -> list:
+    """Every cache a shared cycle writes to: the target's and the drafter's."""
+    return seq.cache + seq.prompt_cache.draft
+
+
+@dataclass
 class SharedCycle:
     """A shared cycle on the device: its replies, their rows, the positions every row
-    verified and the target's features of all of them."""
+    verified, the target's features of all of them and where each reply stood before."""
 
     replies: list[Reply]
     rows: list[Row]
     positions: int
     features: dict[int, mx.array]
     started: float
+    marks: list[Mark]
 
 
 class BatchedChain:
@@ -57,7 +82,19 @@ class BatchedChain:
 
     def launch(self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array]) -> SharedCycle:
         """The cycle after each reply's `root`: drafts as the policy plans for this many
-        rows (fewer for a reply near its end or capped lower), one verify forward."""
+        rows (fewer for a reply near its end or capped lower), one verify forward. A failure
+        is raised with every reply back where it stood (`Mark`)."""
+        marks = [Mark.of(reply.seq) for reply, _ in roots]
+        try:
+            return self._launch(roots, sink, marks)
+        except Exception:
+            for (reply, _), mark in zip(roots, marks):
+                mark.put_back(reply.seq)
+            raise
+
+    def _launch(
+        self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array], marks: list[Mark]
+    ) -> SharedCycle:
         started = time.perf_counter()
         drafts = self.policy.plan(len(roots))
         wanted, contexts = [], []
@@ -100,10 +137,19 @@ class BatchedChain:
             [p for row in out for p in (row.drafts, row.verdict.accepted, row.verdict.token)]
         )
         replies = [reply for reply, *_ in rows]
-        return SharedCycle(replies, out, positions, features, started)
+        return SharedCycle(replies, out, positions, features, started, marks)
 
     def settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
-        """Read every row's verdict at once and commit each reply's accepted prefix."""
+        """Read every row's verdict at once and commit each reply's accepted prefix. A
+        failure is raised with every reply back where it stood before the cycle (`Mark`)."""
+        try:
+            return self._settle(cycle)
+        except Exception:
+            for reply, mark in zip(cycle.replies, cycle.marks):
+                mark.put_back(reply.seq)
+            raise
+
+    def _settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
         parts = [
             p for row in cycle.rows for p in (row.drafts, row.verdict.accepted, row.verdict.token)
         ]
@@ -135,5 +181,5 @@ class BatchedChain:
         """Take `reply` out of a launched cycle: its verified positions leave its caches."""
         i = cycle.replies.index(reply)
         reply.seq.target.rollback(reply.seq.cache, cycle.positions)
-        del cycle.replies[i], cycle.rows[i]
+        del cycle.replies[i], cycle.rows[i], cycle.marks[i]
         cycle.features = {j: mx.concatenate([f[:i], f[i + 1 :]]) for j, f in cycle.features.items()}

@@ -13,7 +13,7 @@ the output is exactly the target's own greedy output.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -38,19 +38,27 @@ __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache",
 def stream_generate(
     model: nn.Module,
     draft: DFlashDraft | None,
-    tokenizer: TokenizerWrapper,
-    prompt: str | list[int] | mx.array,
+    tokenizer: TokenizerWrapper | None = None,
+    prompt: str | list[int] | mx.array | None = None,
     block_size: int | None = None,
     *,
     settings: GenerationSettings | None = None,
     prompt_cache: PromptCache | None = None,
     block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None = None,
     batch: Batch | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
-    The keyword arguments are `GenerationSettings`' fields, over `settings` if given.
+    The drafter comes second, before mlx-lm's (tokenizer, prompt); `tokenizer` and `prompt`
+    are required (their defaults only let mlx-lm's order get a clear error).
+    The keyword arguments are `GenerationSettings`' fields, over `settings` if given:
+    mlx-lm's `stream_generate` keywords (`max_tokens`, `sampler`, `logits_processors`,
+    `max_kv_size`, `kv_bits`, `kv_group_size`, `quantized_kv_start`, `prefill_step_size`) keep
+    their meanings. `prompt_progress_callback(processed, total)` is called as mlx-lm calls it:
+    with 0 first, after each prefill chunk, and with `total` (the prompt tokens the prefill
+    runs) once the first token is computed.
 
     `block_size` defaults to the drafter's; 1 means plain autoregressive decoding
     through the same loop; `draft=None` decodes so without paying for a drafter
@@ -65,7 +73,8 @@ def stream_generate(
     draft equals the target's own independent sample (also the rule for a custom `sampler`).
     `seed` gives the reply its own random stream instead of MLX's global state, so what
     else samples in between does not change it.
-    `prompt_cache` (from `make_prompt_cache`) carries the caches across calls:
+    `prompt_cache` (from `make_prompt_cache`) carries the caches across calls (made with its
+    own cache settings, as in mlx-lm, where a given cache ignores `max_kv_size` and `kv_bits`):
     pass the whole conversation as `prompt`; only the new part is prefilled.
     By default (no `block_size`, `tree_budget` or `adaptive`) each cycle is a
     chain of any block size up to the drafter's or a tree of up to 16 nodes with
@@ -106,6 +115,7 @@ def stream_generate(
     other replies in it, each response arriving as the batch's cycles advance it (a
     server's concurrent requests); by default the reply is a batch of its own.
     """
+    check_argument_order(draft, tokenizer, prompt)
     if block_size is not None:
         kwargs["block_size"] = block_size
     settings = (settings or GenerationSettings()).but(**kwargs)
@@ -125,7 +135,7 @@ def stream_generate(
             )
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
     if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model, draft)
+        prompt_cache = make_prompt_cache(model, draft, **settings.cache_options)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
     verifier = settings.verifier.for_reply()
@@ -145,10 +155,29 @@ def stream_generate(
     seq = Sequence(target, prompt_cache, proposer, verifier)
     step = make_step(seq, settings, draft, block_policy, mixed)
     max_drafts = settings.block_size - 1 if settings.block_size else None
-    reply = Reply(seq, step, prompt_ids, max_tokens, set(tokenizer.eos_token_ids), max_drafts)
+    eos = set(tokenizer.eos_token_ids)
+    reply = Reply(seq, step, prompt_ids, max_tokens, eos, max_drafts)
+    reply.prefill_step_size = settings.prefill_step_size
+    reply.prompt_progress = prompt_progress_callback
     commits = replies(batch or Batch(target), reply)
     drafting = Drafting(reason=plain_reason(settings, draft), note=note)
     return stream(commits, tokenizer, len(prompt_ids), drafting)
+
+
+def check_argument_order(draft: Any, tokenizer: Any, prompt: Any) -> None:
+    """Raise a one-line TypeError for mlx-lm's argument order (no drafter) or a missing
+    tokenizer or prompt."""
+    if draft is not None and not isinstance(draft, nn.Module):
+        raise TypeError(
+            f"the drafter goes second: stream_generate(model, draft, tokenizer, prompt), or "
+            f"draft=None for plain decoding (got a {type(draft).__name__} as the drafter)"
+        )
+    if tokenizer is None or prompt is None:
+        missing = "tokenizer" if tokenizer is None else "prompt"
+        raise TypeError(
+            f"no {missing} given: stream_generate(model, draft, tokenizer, prompt) "
+            "(draft=None for plain decoding)"
+        )
 
 
 def settings_unset(
@@ -279,46 +308,52 @@ def stream(
     eos = set(tokenizer.eos_token_ids)
     tic = time.perf_counter()
     prompt_tps, generated = 0.0, 0
-    for commit in commits:
-        if not generated:  # the prefill's commit
-            prompt_tps = commit.prefilled / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        else:
-            drafting.record(
-                commit.proposed, commit.accepted, commit.tree, last=commit.finish is not None
+    # however this ends (a failure detokenizing too), the reply leaves its batch now, not
+    # when a traceback holding this frame is freed
+    try:
+        for commit in commits:
+            if not generated:  # the prefill's commit
+                prompt_tps = commit.prefilled / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            else:
+                drafting.record(
+                    commit.proposed, commit.accepted, commit.tree, last=commit.finish is not None
+                )
+            generated += len(commit.tokens)
+            for t in commit.tokens:
+                if t not in eos:
+                    detokenizer.add_token(t)
+            if commit.finish:
+                detokenizer.finalize()
+            logits = commit.logits
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                tokens=commit.tokens,
+                accepted=commit.accepted,
+                proposed=commit.proposed,
+                prompt_tokens=prompt_tokens,
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=commit.finish,
+                logprobs=logits - mx.logsumexp(logits, axis=-1, keepdims=True),
+                drafting=drafting,
             )
-        generated += len(commit.tokens)
-        for t in commit.tokens:
-            if t not in eos:
-                detokenizer.add_token(t)
-        if commit.finish:
-            detokenizer.finalize()
-        logits = commit.logits
-        yield GenerationResponse(
-            text=detokenizer.last_segment,
-            tokens=commit.tokens,
-            accepted=commit.accepted,
-            proposed=commit.proposed,
-            prompt_tokens=prompt_tokens,
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=commit.finish,
-            logprobs=logits - mx.logsumexp(logits, axis=-1, keepdims=True),
-            drafting=drafting,
-        )
+    finally:
+        commits.close()
 
 
 def generate(
     model: nn.Module,
     draft: DFlashDraft | None,
-    tokenizer: TokenizerWrapper,
-    prompt: str | list[int] | mx.array,
+    tokenizer: TokenizerWrapper | None = None,
+    prompt: str | list[int] | mx.array | None = None,
     verbose: bool = False,
-    **kwargs,
+    **kwargs: Any,
 ) -> str:
-    """The whole generated text; with `verbose`, stream it and print stats like mlx-lm."""
+    """The whole generated text; with `verbose`, stream it and print stats like mlx-lm.
+    The arguments are `stream_generate`'s."""
     text, cycles, accepted, proposed = "", 0, 0, 0
     response = None
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
@@ -342,3 +377,9 @@ def generate(
         print(f"Cycles: {response.drafting.summary()}")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("generate")

@@ -121,12 +121,15 @@ class TreeForward:
     roped: set[int] = field(default_factory=set)
     masked: bool = False
 
-    def mask(self, start: int, offset: int, n: int, window: int | None = None) -> mx.array | None:
-        """(n, offset - start + n) over the cached positions [start, offset) and the nodes:
-        every node sees the committed positions and its ancestors, those within `window`
-        positions of its own if a window is given. None for a lone root, which sees all the
-        cache returns, as mlx-lm's own one-position forward (whose attention may take no
-        mask then: deepseek_v32's sparse path)."""
+    def mask(
+        self, start: int, offset: int, n: int, window: int | None = None, keep: int = 0
+    ) -> mx.array | None:
+        """(n, keys) over the cached positions [start, offset) (after the first `keep`, which
+        are cached too) and the nodes: every node sees the committed positions and its
+        ancestors, those within `window` positions of its own (or among the first `keep`) if
+        a window is given. None for a lone root, which sees all the cache returns, as
+        mlx-lm's own one-position forward (whose attention may take no mask then:
+        deepseek_v32's sparse path)."""
         if n != self.visible.shape[0]:
             raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
         self.masked = True
@@ -135,9 +138,14 @@ class TreeForward:
         if window is None:
             context, visible = mx.ones((n, offset - start), dtype=mx.bool_), self.visible
         else:
-            context = self.positions[:, None] - mx.arange(start, offset)[None] < window
-            visible = self.visible & (self.positions[:, None] - self.positions[None] < window)
+            cached = mx.concatenate([mx.arange(min(keep, start)), mx.arange(start, offset)])
+            context = self._near(cached, window, keep)
+            visible = self.visible & self._near(self.positions, window, keep)
         return mx.concatenate([context, visible], axis=1)
+
+    def _near(self, keys: mx.array, window: int, keep: int) -> mx.array:
+        """(nodes, keys): whether each key is among the first `keep` or within `window`."""
+        return (keys[None] < keep) | (self.positions[:, None] - keys[None] < window)
 
 
 _TREE_CLASSES: dict[type, type] = {}
@@ -161,7 +169,8 @@ def _tree_class(cls: type) -> type:
 
             def make_mask(self, N: int, window_size: int | None = None, **kwargs: Any) -> mx.array:
                 start = self._first_visible()  # what update_and_fetch will keep
-                return self._dflash_tree.mask(start, self.offset, N, window_size or self.window)
+                window = window_size or self.window
+                return self._dflash_tree.mask(start, self.offset, N, window, self.keep)
 
             body = {"make_mask": make_mask}
         else:

@@ -8,18 +8,20 @@ before the commits are consumed, so the consumer's work overlaps the device's. O
 reply takes its own step (`steps.py`: chains, trees, the prompt lookup, queued plain
 steps); several replies share one verify forward per cycle (`batched.py`) where their
 caches can (`rows.batchable`) and their tokens do not depend on the cycle's shape
-(`Batch._shares`), and the others take their own steps in turn. A single generation is
-a batch of one (`replies`). The loop knows nothing of text, time or what proposes the
-drafts.
+(`Batch._shares`), and the others take their own steps in turn. A failure in one
+reply's part of a cycle ends that reply alone, with its error; a shared cycle that
+fails runs again one reply at a time, so that only a reply that fails alone fails.
+A single generation is a batch of one (`replies`). The loop knows nothing of text,
+time or what proposes the drafts.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,29 +31,37 @@ from .adaptive import BatchedBlock
 from .batched import BatchedChain
 from .draft import DFlashDraft
 from .rows import batchable
-from .steps import Commit, Reply, Sequence
+from .steps import Commit, Reply
 from .target import TargetAdapter
 
-PREFILL_STEP = 2048
+T = TypeVar("T")
 
 
-def prefill(seq: Sequence, prompt: list[int], start: int) -> Commit:
-    """Run the prompt from `start` through the target (the proposer observing every
-    position) and commit the target's choice after it."""
+def prefill(reply: Reply, start: int) -> Commit:
+    """Run the reply's prompt from `start` through the target (the proposer observing every
+    position) and commit the target's choice after it, telling `prompt_progress` how much
+    of it has run as mlx-lm does: 0 first, after each chunk, all once the token is read."""
+    seq, prompt, step = reply.seq, reply.prompt, reply.prefill_step_size
     model, cache = seq.target.model, seq.cache
     every_cache = cache + seq.prompt_cache.draft
+    progress = reply.prompt_progress or (lambda processed, total: None)
+    total = len(prompt) - start
+    progress(0, total)
     # All but the last prompt token in chunks whose logits are never computed; then the
     # last one alone, as mlx-lm does: the LM head never sees more than one row.
-    for chunk_start in range(start, len(prompt) - 1, PREFILL_STEP):
-        chunk = prompt[chunk_start : min(chunk_start + PREFILL_STEP, len(prompt) - 1)]
-        model(mx.array(chunk)[None], cache=cache)
+    for chunk_start in range(start, len(prompt) - 1, step):
+        chunk_end = min(chunk_start + step, len(prompt) - 1)
+        model(mx.array(prompt[chunk_start:chunk_end])[None], cache=cache)
         seq.keep(None)
         mx.eval([c.state for c in every_cache])
+        progress(chunk_end - start, total)
     logits = model(mx.array(prompt[-1:])[None], cache=cache)
     seq.keep(None)
     seq.verifier.at(len(prompt), seq.target.vocab_size)
     first = seq.verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
-    return Commit([first.token.item()], first.logits, prefilled=len(prompt) - start)
+    token = first.token.item()
+    progress(total, total)
+    return Commit([token], first.logits, prefilled=total)
 
 
 class Batch:
@@ -114,49 +124,82 @@ class Batch:
             self.held, self.sink, self.layer_ids = None, {}, None
 
     def cycle(self) -> None:
-        """Advance every reply by one cycle: each gets its next commit (`Reply.commits`).
-        An error fails every reply of the batch, whose caches it may have left between
-        two states: the caller gets it raised, the others at their next commit."""
+        """Advance every reply by one cycle: each gets its next commit (`Reply.commits`), or
+        its error where its part of the cycle failed, which ends that reply alone (`_fail`);
+        a failed shared cycle runs again one reply at a time (`_settle_shared`, `_launch`),
+        so a reply that fails alone fails alone. An error outside every reply's part fails
+        them all: the caller gets it raised, the others at their next commit."""
         try:
             self._cycle()
         except Exception as exc:
             for reply in [*self.replies, *self.joining]:
-                reply.error = exc
-                self.remove(reply)
+                self._fail(reply, exc)
             self.shared = None
             raise
 
     def _cycle(self) -> None:
         if self.joining:
             self._hold()
-        committed: list[tuple[Reply, Commit]] = []
-        if self.shared is not None:
-            committed += self.chain.settle(self.shared)
-            self.shared = None
-        for reply in self.replies:
-            if reply.pending is not None:  # its step reads its own forward's features
-                commit = reply.step.settle(reply.pending, reply.remaining, reply.started)
-                committed.append((reply, commit))
-                reply.pending = None
-                self._keep_features(reply)
-        for reply in self.joining:
-            reply.seq.features = self.sink
-            start = reply.seq.prompt_cache.reuse(reply.prompt)
-            committed.append((reply, prefill(reply.seq, reply.prompt, start)))
-            reply.seq.prompt_cache.tokens = list(reply.prompt)
-            self.replies.append(reply)
-        self.joining = []
+        committed = self._settle_shared() if self.shared is not None else []
+        own = [(reply,) for reply in self.replies if reply.pending is not None]
+        committed += self._each(self._settle_own, own)
+        joining, self.joining = self.joining, []
+        self.replies += joining
+        committed += self._each(self._prefill, [(reply,) for reply in joining])
         now = time.perf_counter()
-        for reply, commit in committed:
-            self._finish(reply, commit)
+        going_on = []
+        for reply, commit in self._each(self._finish, committed):
             reply.commits.append(commit)
             reply.started = now
             if commit.finish:
                 self.remove(reply)
-        self._launch([(r, c) for r, c in committed if not c.finish])
+            else:
+                going_on.append((reply, commit))
+        self._launch(going_on)
 
-    def _finish(self, reply: Reply, commit: Commit) -> None:
-        """End the reply at an EOS token (kept) or at its token limit."""
+    def _each(self, work: Callable[..., T], calls: list[tuple]) -> list[tuple[Reply, T]]:
+        """`work(reply, *args)` for each (reply, *args) of `calls`, as (reply, result) pairs:
+        a reply whose work raises ends with its error (`_fail`) and is left out."""
+        done = []
+        for reply, *args in calls:
+            try:
+                done.append((reply, work(reply, *args)))
+            except Exception as exc:
+                self._fail(reply, exc)
+        return done
+
+    def _fail(self, reply: Reply, error: Exception) -> None:
+        """End `reply` with `error`, raised at its next commit; what failed may have left
+        its caches between two states."""
+        reply.error, reply.pending = error, None
+        self.remove(reply)
+
+    def _settle_shared(self) -> list[tuple[Reply, Commit]]:
+        """The shared cycle's commits. Where it fails, its replies are back where they stood
+        and each launches the cycle again alone, settled in this cycle as its own step's."""
+        cycle, self.shared = self.shared, None
+        try:
+            return self.chain.settle(cycle)
+        except Exception:
+            roots = [(reply, row.root) for reply, row in zip(cycle.replies, cycle.rows)]
+            self._each(self._launch_alone, roots)
+            return []
+
+    def _settle_own(self, reply: Reply) -> Commit:
+        commit = reply.step.settle(reply.pending, reply.remaining, reply.started)
+        reply.pending = None
+        self._keep_features(reply)
+        return commit
+
+    def _prefill(self, reply: Reply) -> Commit:
+        reply.seq.features = self.sink
+        start = reply.seq.prompt_cache.reuse(reply.prompt)
+        commit = prefill(reply, start)
+        reply.seq.prompt_cache.tokens = list(reply.prompt)
+        return commit
+
+    def _finish(self, reply: Reply, commit: Commit) -> Commit:
+        """`commit`, ending the reply at an EOS token (kept) or at its token limit."""
         stop = next((i for i, t in enumerate(commit.tokens) if t in reply.eos), None)
         if stop is not None:
             commit.tokens, commit.logits = commit.tokens[: stop + 1], commit.logits[: stop + 1]
@@ -170,25 +213,36 @@ class Batch:
             commit.queued = None
         elif not commit.finish:
             reply.seq.proposer.committed(commit.tokens)
+        return commit
 
     def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
         """The next cycle of every reply going on: one cycle shared by those that may share
         (`_shares`) when there are several, each of the others its own step's (which reads
-        and records the features of the forward it runs)."""
+        and records the features of the forward it runs). Where the shared one fails to
+        launch, its replies are back where they stood and each launches alone."""
         sharing = [(r, c) for r, c in going_on if self._shares(r)] if self.chain else []
+        alone = []
         if len(sharing) > 1:
             for reply, commit in sharing:
                 if commit.queued:
                     reply.step.cancel(commit.queued)
+                    commit.queued = None
             roots = [(reply, commit.tokens[-1]) for reply, commit in sharing]
-            self.shared = self.chain.launch(roots, self.sink)
+            try:
+                self.shared = self.chain.launch(roots, self.sink)
+            except Exception:
+                alone = roots
             going_on = [(r, c) for r, c in going_on if (r, c) not in sharing]
         for reply, commit in going_on:
             if commit.queued:  # launched as its step settled
-                reply.pending = commit.queued
+                reply.pending, commit.queued = commit.queued, None
             else:
-                reply.pending = reply.step.launch(commit.tokens[-1], reply.remaining)
-                self._keep_features(reply)
+                alone.append((reply, commit.tokens[-1]))
+        self._each(self._launch_alone, alone)
+
+    def _launch_alone(self, reply: Reply, root: int) -> None:
+        reply.pending = reply.step.launch(root, reply.remaining)
+        self._keep_features(reply)
 
     def _keep_features(self, reply: Reply) -> None:
         """After a forward of the reply's own step: the features its step reads next. One
@@ -228,7 +282,7 @@ def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:
     commits = _commits(batch, reply)
     # dropped unread (never started, so no `finally` runs): out of the batch at once; only
     # the caller's code drops it, never a cycle, which holds no reference to it
-    weakref.finalize(commits, batch.remove, reply)
+    weakref.finalize(commits, _leave, batch, reply)
     return commits
 
 
@@ -244,4 +298,11 @@ def _commits(batch: Batch, reply: Reply) -> Iterator[Commit]:
             if commit.finish:
                 return
     finally:
-        batch.remove(reply)
+        _leave(batch, reply)
+
+
+def _leave(batch: Batch, reply: Reply) -> None:
+    """Take `reply` out of `batch`, and its error: the error's traceback holds the reply,
+    which would otherwise stay, with its caches, until Python's cyclic collector runs."""
+    reply.error = None
+    batch.remove(reply)

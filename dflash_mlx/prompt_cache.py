@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .draft import DFlashDraft
@@ -32,8 +33,8 @@ class PromptCache:
     def reuse(self, prompt: list[int]) -> int:
         """Trim both caches to the longest prefix shared with `prompt`; return its length.
 
-        The length is 0 (a full prefill) when a recurrent or sliding-window cache
-        cannot go back that far.
+        The length is 0 (a full prefill) when a recurrent, sliding-window or quantized
+        cache cannot go back that far.
         """
         shared = 0
         limit = min(len(self.tokens), len(prompt) - 1)
@@ -44,9 +45,25 @@ class PromptCache:
         return shared
 
 
-def make_prompt_cache(model: nn.Module, draft: DFlashDraft | None) -> PromptCache:
-    """An empty cache to pass as `prompt_cache=` to successive `stream_generate` calls."""
-    return PromptCache(TargetAdapter(model).make_cache(), draft.make_cache() if draft else [])
+# The `stream_generate` settings that make the target's caches (mlx-lm's `generate_step`'s).
+CACHE_SETTINGS = ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start")
+
+
+def make_prompt_cache(
+    model: nn.Module,
+    draft: DFlashDraft | None,
+    *,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+) -> PromptCache:
+    """An empty cache to pass as `prompt_cache=` to successive `stream_generate` calls, made
+    with the `CACHE_SETTINGS` those calls use (their meanings: `TargetAdapter.make_cache`)."""
+    target = TargetAdapter(model).make_cache(
+        max_kv_size, kv_bits, kv_group_size, quantized_kv_start
+    )
+    return PromptCache(target, draft.make_cache() if draft else [])
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -3,9 +3,12 @@
 mlx-lm's `KVCache` is trimmed by moving its offset back. Other cache kinds
 cannot be, and are replaced by the classes here when the target's cache is made:
 
-- `WindowKVCache` for sliding-window layers (mlx-lm's `RotatingKVCache`
-  overwrites the oldest entries in place, so once it has wrapped, a trim
-  would leave a hole where a rejected draft evicted a still-needed entry).
+- `WindowKVCache` for sliding-window layers and `max_kv_size`'s caches (mlx-lm's
+  `RotatingKVCache` overwrites the oldest entries in place, so once it has wrapped, a
+  trim would leave a hole where a rejected draft evicted a still-needed entry).
+- `QuantizingKVCache` for `kv_bits` (mlx-lm swaps each KVCache for a new
+  `QuantizedKVCache` between forwards; captures know caches by id, and a verify
+  forward must not span the switch).
 - `RecurrentCache` for recurrent layers (GatedDeltaNet, short-convolution or
   Mamba state in an `ArraysCache`): the state after the last committed token exists only
   inside the verify forward.
@@ -23,49 +26,78 @@ All follow mlx-lm's cache protocol, so the model code runs unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_reduce
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, _BaseCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+)
 from mlx_lm.models.deepseek_v41 import LayerCache
 
 
 class WindowKVCache(_BaseCache):
-    """Sliding-window keys/values, kept in temporal order and trimmable after any forward.
+    """Sliding-window keys/values, with the first `keep` positions held too, kept in temporal
+    order and trimmable after any forward.
 
-    Before a forward of S positions starting at `offset`, only the positions
-    its first query can see are kept: [offset - window + 1, offset). A later
-    query sees a subset of those plus the forward's own, and a rollback keeps
-    at least the forward's first position, so nothing a query or a rejected
-    draft's successor needs is ever evicted. The attention mask limits every
-    query to exactly its `window` positions, i.e. what mlx-lm's
-    `RotatingKVCache` holds during autoregressive decoding. Each forward
-    concatenates the kept window-1 positions with the new ones (what
-    `RotatingKVCache` does for multi-token updates too); memory stays
-    O(window + block).
+    A one-position step at q sees the first `keep` positions and the `window` positions up
+    to q: what mlx-lm's `RotatingKVCache(keep + window, keep)` holds during autoregressive
+    decoding (sliding-window layers: keep 0; `max_kv_size`: keep 4). Before a forward of S
+    positions starting at `offset`, only the positions its first query can see are kept:
+    [0, keep) and [offset - window + 1, offset). A later query sees a subset of those plus
+    the forward's own, and a rollback keeps at least the forward's first position, so
+    nothing a query or a rejected draft's successor needs is ever evicted (mlx-lm's cache
+    overwrites the oldest entries in place, so once it has wrapped, a trim would leave a
+    hole). Each forward concatenates the kept positions with the new ones (what
+    `RotatingKVCache` does for multi-token updates too); memory stays O(keep + window + S).
+
+    Over several positions mlx-lm masks by buffer slot: query i of a prompt chunk sees the
+    `keep + window` slots up to its own, so the kept first positions drop out of its view one
+    by one. The masks here do the same, except inside `stepwise` (the verify forward), where
+    each position sees what its own one-position step would. With keep 0 the two agree.
     """
 
-    def __init__(self, window: int):
-        self.window = window
+    def __init__(self, window: int, keep: int = 0):
+        self.window, self.keep = window, keep
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
-        self.start = 0  # absolute position of keys[..., 0, :]
+        self.dropped = 0  # positions dropped after the first `keep`: p >= keep is at p - dropped
+        self.stepwise = False
+
+    def _dropping(self) -> int:
+        """How many positions after the first `keep` a forward from `offset` drops."""
+        return max(0, self.offset - self.window + 1 - self.keep)
 
     def _first_visible(self) -> int:
-        return max(0, self.offset - self.window + 1)
+        """The first position after the kept first ones that the next forward keeps."""
+        return min(self.offset, self.keep + self._dropping())
+
+    def held_positions(self) -> mx.array:
+        """The positions of the keys the next forward keeps, in the order it keeps them."""
+        kept = mx.arange(min(self.keep, self.offset))
+        return mx.concatenate([kept, mx.arange(self._first_visible(), self.offset)])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        first = self._first_visible()
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
-            lo, hi = first - self.start, self.offset - self.start
-            self.keys = mx.concatenate([self.keys[..., lo:hi, :], keys], axis=2)
-            self.values = mx.concatenate([self.values[..., lo:hi, :], values], axis=2)
-        self.start = first
+            dropped = self._dropping()
+            head = min(self.keep, self.offset)  # the first positions, always kept
+            lo, hi = self.keep + dropped - self.dropped, self.offset - self.dropped
+            self.keys, self.values = (
+                mx.concatenate([held[..., :head, :], held[..., lo:hi, :], new], axis=2)
+                for held, new in ((self.keys, keys), (self.values, values))
+            )
+            self.dropped = dropped
         self.offset += keys.shape[2]
         return self.keys, self.values
 
@@ -75,28 +107,35 @@ class WindowKVCache(_BaseCache):
         """The mask over the keys `update_and_fetch` will return for the next N positions."""
         if N == 1:
             return None
-        kept = self.offset - self._first_visible()
-        if kept + N <= self.window and not return_array:
+        held = self.offset - self._dropping()
+        slots = window_size or self.keep + self.window
+        if held + N <= slots and not return_array:
             return "causal"
-        return create_causal_mask(N, kept, window_size=window_size or self.window)
+        if self.stepwise and self.keep:
+            keys = mx.concatenate([self.held_positions(), mx.arange(self.offset, self.offset + N)])
+            queries = mx.arange(self.offset, self.offset + N)[:, None]
+            return (keys <= queries) & ((keys < self.keep) | (keys > queries - self.window))
+        return create_causal_mask(N, held, window_size=slots)
 
     def can_trim(self, n: int) -> bool:
-        return n == self.offset or self.start <= max(0, self.offset - n - self.window + 1)
+        return n == self.offset or self.dropped <= max(
+            0, self.offset - n - self.window + 1 - self.keep
+        )
 
     def trim(self, n: int) -> int:
         if not self.can_trim(n):
             raise ValueError(
-                f"sliding-window cache holds positions {self.start}..{self.offset - 1}: "
-                f"cannot go back {n} positions"
+                f"sliding-window cache holds positions {self.keep + self.dropped}.."
+                f"{self.offset - 1}: cannot go back {n} positions"
             )
         self.offset -= n
         if self.offset == 0:
             self.keys = self.values = None
-            self.start = 0
+            self.dropped = 0
         return n
 
     def size(self) -> int:
-        return min(self.offset, self.window)
+        return min(self.offset, self.keep + self.window)
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | list:
@@ -108,6 +147,80 @@ class WindowKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+@contextmanager
+def stepwise(caches: list[Any]) -> Iterator[None]:
+    """Inside, a forward over several positions gives each the keys its own one-position step
+    would see (`WindowKVCache`): the verify forward's positions are decoding steps, not a
+    prompt chunk."""
+    windows = [c for c in cache_parts(caches) if isinstance(c, WindowKVCache)]
+    for c in windows:
+        c.stepwise = True
+    try:
+        yield
+    finally:
+        for c in windows:
+            c.stepwise = False
+
+
+class QuantizingKVCache(KVCache):
+    """mlx-lm's `KVCache` that turns into its `QuantizedKVCache` once it holds `start` positions.
+
+    mlx-lm's `generate_step` quantizes a KVCache after a forward leaves it holding
+    `quantized_kv_start` positions or more (`maybe_quantize_kv_cache`); every later step sees
+    all keys quantized, its own too (it quantizes on store). Here the switch happens at the
+    start of the next forward that writes to the cache, so that what counts is what the last
+    rollback kept, and the cache stays the same object (captures know caches by id): it then
+    has `bits`, which is how mlx-lm's attention tells a quantized cache, and stores as
+    `QuantizedKVCache` does. Positions before the switch see float keys and those after it
+    quantized ones, so no forward may span it (`forward_limit`); nor may a rollback go back
+    before it, except to empty the cache.
+    """
+
+    def __init__(self, group_size: int, bits: int, start: int):
+        super().__init__()
+        self.quantization = (group_size, bits, start)
+
+    @property
+    def quantized(self) -> bool:
+        return "bits" in vars(self)
+
+    def positions_before_switch(self) -> int | None:
+        """How many positions the next forward may take with float keys (None: any)."""
+        start = self.quantization[2]
+        return None if self.quantized or self.offset >= start else start - self.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        group_size, bits, start = self.quantization
+        if not self.quantized and self.offset >= max(start, 1):
+            quantized = self.to_quantized(group_size=group_size, bits=bits)
+            self.keys, self.values = quantized.keys, quantized.values
+            self.group_size, self.bits = group_size, bits
+        if self.quantized:
+            return QuantizedKVCache.update_and_fetch(self, keys, values)
+        return super().update_and_fetch(keys, values)
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        return (QuantizedKVCache if self.quantized else KVCache).keys_and_values(self)
+
+    def can_trim(self, n: int) -> bool:
+        return not self.quantized or n == self.offset or self.offset - n >= self.quantization[2]
+
+    def trim(self, n: int) -> int:
+        if not self.can_trim(n):
+            raise ValueError(
+                f"the KV cache is quantized from position {self.quantization[2]} on: "
+                f"cannot go back {n} of its {self.offset} positions"
+            )
+        if n and n == self.offset:
+            self.__init__(*self.quantization)
+            return n
+        return super().trim(n)
+
+    @property
+    def nbytes(self) -> int:
+        return tree_reduce(lambda total, x: total + x.nbytes, (self.keys, self.values), 0)
 
 
 Replay = Callable[[int], Any]
@@ -345,19 +458,29 @@ def _can_trim(cache: Any, n: int) -> bool:
     return can_trim(n) if can_trim else cache.is_trimmable()
 
 
+def forward_limit(caches: list[Any]) -> int | None:
+    """The most positions the next forward may take (None: any): up to the switch of a
+    `QuantizingKVCache`, which no forward may span."""
+    limits = [
+        c.positions_before_switch() for c in cache_parts(caches) if isinstance(c, QuantizingKVCache)
+    ]
+    return min(filter(None, limits), default=None)
+
+
 def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
     """After a tree forward from position `start`: keep only the accepted path.
 
     The K/V of tree node `nodes[i]` (at start + nodes[i]) moves to start + i and
     everything after the path is dropped, so the caches hold what a plain
-    forward over the path's tokens would have written. KVCaches and
-    WindowKVCaches (whose arrays begin at position `cache.start`), also in a CacheGroup.
+    forward over the path's tokens would have written. KVCaches (a quantized one's
+    keys and values are each three arrays) and WindowKVCaches (position p past the
+    first kept ones at p - `cache.dropped`), also in a CacheGroup.
     """
     kept = len(nodes)
     for c in cache_parts(caches):
-        first = start - getattr(c, "start", 0)  # the tree's first node in the arrays
+        first = start - getattr(c, "dropped", 0)  # the tree's first node in the arrays
         if nodes != list(range(kept)):  # the path is not already in front
             index = mx.array(nodes) + first
-            c.keys[..., first : first + kept, :] = mx.take(c.keys, index, axis=2)
-            c.values[..., first : first + kept, :] = mx.take(c.values, index, axis=2)
+            for _, a in tree_flatten((c.keys, c.values)):
+                a[..., first : first + kept, :] = mx.take(a, index, axis=2)
         c.trim(c.offset - start - kept)

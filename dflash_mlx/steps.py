@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +26,8 @@ from .rollback import keep_path
 from .sampling import Verdict, Verifier
 from .target import TargetAdapter
 from .tree import Tree, ancestor_mask, read_together, walk
+
+PREFILL_STEP = 2048  # prompt tokens per prefill forward by default, as mlx-lm's
 
 
 @dataclass
@@ -98,11 +101,14 @@ class Reply:
     max_tokens: int
     eos: set[int]
     max_drafts: int | None = None  # a cap on the drafts of a shared cycle (None: the drafter's)
+    prefill_step_size: int = PREFILL_STEP
+    # mlx-lm's prompt_progress_callback(processed, total), called as the prompt is prefilled
+    prompt_progress: Callable[[int, int], None] | None = None
     commits: deque[Commit] = field(default_factory=deque)
     generated: int = 0
     pending: Any = None
     started: float = 0.0
-    error: Exception | None = None  # what failed a cycle of its batch
+    error: Exception | None = None  # what failed its part of a cycle, raised at its next commit
 
     @property
     def remaining(self) -> int:
@@ -132,7 +138,6 @@ class ChainStep:
         policy: AdaptiveBlock | AdaptiveStrategy | None = None,
     ):
         self.seq, self.block_size, self.policy = seq, block_size, policy
-        self.next: Step = self  # what launches the cycle a plain step queues (`SwitchStep`)
 
     def launch(
         self, root: int | mx.array, remaining: int, drafts: int | None = None
@@ -141,7 +146,7 @@ class ChainStep:
         seq = self.seq
         if drafts is None:
             drafts = self.policy.plan() if self.policy else self.block_size - 1
-        n = min(drafts + 1, remaining)
+        n = seq.target.forward_limit(seq.cache, min(drafts + 1, remaining))
         root_id = mx.array([root]) if isinstance(root, int) else root
         context = seq.tokens + [root] if seq.verifier.processors else None
         seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
@@ -156,7 +161,16 @@ class ChainStep:
         mx.async_eval(drafts, verdict.accepted, verdict.token)
         return PendingChain(root if isinstance(root, int) else None, n, drafts, verdict)
 
-    def settle(self, pending: PendingChain, remaining: int, started: float) -> Commit:
+    def settle(
+        self,
+        pending: PendingChain,
+        remaining: int,
+        started: float,
+        launch: Callable[[mx.array, int], Any] | None = None,
+    ) -> Commit:
+        """`Step.settle`; a plain step queues the next cycle by `launch` (a `SwitchStep`'s,
+        which may plan a tree there), else its own: handed in, not kept, so that no step
+        refers back to the switch that owns it and a finished reply is freed at once."""
         seq, n, verdict = self.seq, pending.size, pending.verdict
         queued = None
         if n == 1 and remaining > 1 and not seq.verifier.processors:
@@ -168,7 +182,8 @@ class ChainStep:
             seq.keep(1)
             seq.tokens.append(pending.root)
             tic = time.perf_counter()
-            queued = self.next.launch(verdict.token[None].astype(mx.int32), remaining - 1)
+            launch = launch or self.launch
+            queued = launch(verdict.token[None].astype(mx.int32), remaining - 1)
             # the next cycle's host work is its own cost, not this step's
             queued.launching = time.perf_counter() - tic - queued.waited
         read = read_together([pending.drafts, verdict.accepted, verdict.token], mx.int32)
@@ -222,7 +237,7 @@ class TreeStep:
         seq, policy = self.seq, self.policy
         if budget is None:
             budget = self.budget if not policy or policy.plan() > 0 else 0
-        depth = min(self.max_depth, remaining - 1, budget)
+        depth = min(self.max_depth, seq.target.forward_limit(seq.cache, remaining) - 1, budget)
         tree = Tree([root], [-1], [0])
         verifier, position = seq.verifier, len(seq.tokens) + 1
         verifier.at(position, seq.target.vocab_size)
@@ -290,7 +305,6 @@ class SwitchStep:
 
     def __init__(self, chain: ChainStep, tree: TreeStep, policy: AdaptiveStrategy):
         self.chain, self.tree, self.policy = chain, tree, policy
-        chain.next = self
 
     def launch(self, root: int | mx.array, remaining: int) -> PendingChain | PendingTree:
         plan = self.policy.plan()
@@ -313,8 +327,9 @@ class SwitchStep:
             return self.chain.launch(root, remaining, self.policy.plan().drafts)
 
     def settle(self, pending: PendingChain | PendingTree, remaining: int, started: float) -> Commit:
-        step = self.tree if isinstance(pending, PendingTree) else self.chain
-        return step.settle(pending, remaining, started)
+        if isinstance(pending, PendingTree):
+            return self.tree.settle(pending, remaining, started)
+        return self.chain.settle(pending, remaining, started, self.launch)
 
     def cancel(self, pending: PendingChain | PendingTree) -> None:
         step = self.tree if isinstance(pending, PendingTree) else self.chain

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -42,9 +43,12 @@ from .rollback import (
     CacheGroup,
     ChunkCache,
     CompressedWindowCache,
+    QuantizingKVCache,
     RecurrentCache,
     WindowKVCache,
     cache_parts,
+    forward_limit,
+    stepwise,
 )
 from .swaps import Swap
 
@@ -72,9 +76,14 @@ def load(
     tensor_group: mx.distributed.Group | None = None,
     pipeline_group: mx.distributed.Group | None = None,
     trust_remote_code: bool = False,
+    adapter_path: str | Path | None = None,
     **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer (local dir or hub id).
+
+    `adapter_path` (a directory with `adapter_config.json` and `adapters.safetensors`, as
+    mlx-lm's LoRA trainer writes them) applies fine-tuned adapters with mlx-lm's own
+    `load_adapters`, as `mlx_lm.load(..., adapter_path=)` does.
 
     `dtype` defaults to float32 on the CPU (quantized weights are dequantized:
     quantized and bf16 matmuls are not BLAS-accelerated there) and to the
@@ -122,6 +131,8 @@ def load(
         raise ValueError(
             f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    if adapter_path is not None:
+        apply_adapters(model, Path(adapter_path).expanduser())
     cast_model(model, cast_to)
     if sharded:
         (shard if tensor_group is not None else pipeline)(model, group)
@@ -129,6 +140,24 @@ def load(
     if sharded:  # every rank has its slice before any of them starts a forward
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return model, tokenizer
+
+
+def apply_adapters(model: nn.Module, adapter_path: Path) -> None:
+    """Apply the fine-tuned adapters at `adapter_path` to `model` with mlx-lm's
+    `load_adapters`, or say in one line which file is missing or does not fit."""
+    from mlx_lm.tuner.utils import load_adapters  # imports the trainer's optimizers: 0.2 s
+
+    if not adapter_path.is_dir():
+        raise FileNotFoundError(f"adapter directory not found: {adapter_path}")
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (adapter_path / name).is_file():
+            raise FileNotFoundError(f"no {name} in the adapter directory {adapter_path}")
+    try:
+        load_adapters(model, str(adapter_path))
+    except (KeyError, ValueError, TypeError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"the adapters at {adapter_path} do not fit the target: {detail}") from exc
+    model.eval()
 
 
 def shard(model: nn.Module, group: mx.distributed.Group) -> None:
@@ -338,11 +367,13 @@ class TargetAdapter:
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
 
+        Each position sees the keys its own one-position step would (`rollback.stepwise`).
         On the CPU norms and RoPEs run compiled, and over several positions SwiGLUs and
         attention take their exps from `cpu_math`; on MLX's CUDA backend attention takes
         the verify kernel over several positions (see the module docstring).
         """
-        return self._forward(tokens[None], cache, self.verify_swaps(tokens.size))[0]
+        with stepwise(cache):
+            return self._forward(tokens[None], cache, self.verify_swaps(tokens.size))[0]
 
     def forward_rows(self, tokens: mx.array, caches: list[list[Any]]) -> mx.array:
         """The logits (rows, n, vocab) at `tokens` (rows, n), row i appended to `caches[i]`:
@@ -400,13 +431,43 @@ class TargetAdapter:
     def vocab_size(self) -> int:
         return self.embedding.weight.shape[0]
 
-    def make_cache(self) -> list[Any]:
-        """mlx-lm's caches for the model, with the ones a trim cannot roll back replaced."""
-        return [self._rollbackable(c) for c in make_prompt_cache(self.model)]
+    def make_cache(
+        self,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    ) -> list[Any]:
+        """mlx-lm's caches for the model, with the ones a trim cannot roll back replaced.
+
+        The options mean what they mean to mlx-lm's `generate_step`: `max_kv_size` makes
+        mlx-lm's `make_prompt_cache` give a model without caches of its own rotating caches
+        (keeping the first 4 positions, `WindowKVCache`s here); with `kv_bits` every plain
+        KV cache is quantized once it holds `quantized_kv_start` positions
+        (`QuantizingKVCache`). mlx-lm cannot quantize rotating caches: neither is done here.
+        """
+        caches = [self._rollbackable(c) for c in make_prompt_cache(self.model, max_kv_size)]
+        if kv_bits is None:
+            return caches
+        if any(isinstance(c, WindowKVCache) for c in cache_parts(caches)):
+            raise ValueError(
+                f"kv_bits cannot quantize the rotating KV caches of target model type "
+                f"'{self.model_type}' (sliding-window layers or max_kv_size), nor can mlx-lm: "
+                "leave out kv_bits or max_kv_size"
+            )
+        quantizing = partial(QuantizingKVCache, kv_group_size, kv_bits, quantized_kv_start)
+        return [quantizing() if type(c) is KVCache else c for c in caches]
 
     def _rollbackable(self, cache: Any) -> Any:
         if type(cache) is KVCache:
             return cache
+        if type(cache) is RotatingKVCache and cache.keep:  # max_kv_size's
+            if cache.max_size <= cache.keep:
+                raise ValueError(
+                    f"max_kv_size must be more than {cache.keep}: mlx-lm's rotating cache "
+                    f"keeps the first {cache.keep} positions besides its window"
+                )
+            return WindowKVCache(cache.max_size - cache.keep, cache.keep)
         if self.family in SUPPORTED_MODEL_TYPES:
             if type(cache) is RotatingKVCache and cache.keep == 0:
                 return WindowKVCache(cache.max_size)
@@ -422,6 +483,13 @@ class TargetAdapter:
             f"target model type '{self.model_type}' is not supported: its "
             f"{type(cache).__name__} cannot be rolled back after a rejected draft. {SUPPORTED}"
         )
+
+    @staticmethod
+    def forward_limit(cache: list[Any], positions: int) -> int:
+        """`positions`, or fewer where the caches need the next forward to stop short
+        (`rollback.forward_limit`: a quantizing cache's switch)."""
+        limit = forward_limit(cache)
+        return positions if limit is None else min(positions, limit)
 
     @staticmethod
     def rollback(cache: list[Any], num_tokens: int) -> None:

@@ -34,6 +34,12 @@ FIRST_RELEASE = {
     ("mlx_lm.models.cache", "CacheList"): "0.32.0",
     ("mlx_lm.models.cache", "ChunkedKVCache"): "0.32.0",
     ("mlx_lm.models.deepseek_v41", "LayerCache"): "0.32.0",
+    # in the 0.32.1 wheel, the floor we declare (older releases not checked)
+    ("mlx_lm.generate", "DEFAULT_QUANTIZED_KV_START"): "0.32.1",
+    ("mlx_lm.models.cache", "QuantizedKVCache"): "0.32.1",
+    ("mlx_lm.models.deepseek_v32", "DeepseekV32Attention"): "0.32.1",
+    ("mlx_lm.models.deepseek_v32", "Indexer"): "0.32.1",
+    ("mlx_lm.tuner.utils", "load_adapters"): "0.32.1",
     ("mlx_lm.models.base", "scaled_dot_product_attention"): "0.22.0",
     ("mlx_lm.models.cache", "ArraysCache"): "0.26.1",
     ("mlx_lm.models.cache", "KVCache"): "0.22.0",

@@ -139,8 +139,9 @@ def test_ancestor_mask_and_walk():
 
 
 def held(cache, first: int) -> list[mx.array]:
-    """K and V of positions [first, cache.offset) (a window cache's arrays begin at its start)."""
-    shift = getattr(cache, "start", 0)
+    """K and V of positions [first, cache.offset) (a window cache's arrays begin at the positions
+    it has dropped)."""
+    shift = getattr(cache, "dropped", 0)
     return [x[..., first - shift : cache.offset - shift, :] for x in cache.state[:2]]
 
 
@@ -182,7 +183,7 @@ def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(famil
     model(mx.array(PROMPT + [tree.tokens[n] for n in path])[None], cache=reference)
     for ours, plain in zip(cache_parts(cache), cache_parts(reference)):
         assert ours.offset == plain.offset == len(PROMPT) + len(path)
-        first = max(getattr(ours, "start", 0), getattr(plain, "start", 0))
+        first = max(getattr(ours, "dropped", 0), getattr(plain, "dropped", 0))
         for a, b in zip(held(ours, first), held(plain, first)):
             assert a.shape[2] >= 7 and mx.allclose(a, b, atol=1e-4)  # windows: 8 and 16
 
