@@ -41,7 +41,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .blas import active_blas
 from .chat_format import render
 from .checkpoint import init_draft, load_draft
-from .distributed import Lockstep, share, world_group
+from .distributed import Lockstep, is_rank0, share, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .generate import stream_generate
 from .loading import DTYPES, KEEP_CHECKPOINT
@@ -63,6 +63,10 @@ PART_LABELS = {
     "host": "host (sampling, bookkeeping)",
 }
 VERIFY_REPS = 10
+RANDOM_DRAFTER_WARNING = (
+    "bench: WARNING: no --draft-model: the drafter is RANDOM (untrained), so its acceptance, "
+    "tau and speedups mean nothing; only its costs are real"
+)
 NOTE = (
     "tok/s, TTFT and speedups come from a clean pass (AR and DFlash interleaved per prompt); "
     "the cycle split comes from a separate instrumented DFlash pass that forces evaluation "
@@ -521,7 +525,13 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target model dir or hub id (default: SmolLM2-135M)")
-    parser.add_argument("--draft", help="drafter dir or hub id (default: a random drafter)")
+    parser.add_argument(
+        "--draft-model",
+        "--draft",
+        dest="draft",
+        metavar="DRAFT_MODEL",
+        help="drafter dir or hub id (default: a random drafter, said on stderr)",
+    )
     parser.add_argument(
         "--dtype",
         choices=[*DTYPES, KEEP_CHECKPOINT],
@@ -531,14 +541,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-layers", type=int, default=1, help="layers of the random drafter (no --draft)"
     )
     parser.add_argument("--block-size", type=int, help="default: the drafter's (16 if random)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--max-tokens", "-m", type=int, default=128, help="most tokens per reply")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus when sampling (0: off)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per prompt and system")
     parser.add_argument("--prompts", help="JSON prompt list (default: the built-in suite)")
-    parser.add_argument("--limit", type=int, help="use only the first N prompts")
+    parser.add_argument("--limit", type=int, help="use only the first N prompts (default: all)")
     parser.add_argument(
-        "--category", help="use only the prompts of this category (coding, math, chat)"
+        "--category",
+        help="use only the prompts of this category (coding, math, chat; default: all)",
     )
     parser.add_argument("--no-chat-template", action="store_true", help="use prompts raw")
     parser.add_argument("--no-baseline", action="store_true", help="skip mlx-lm's decoding")
@@ -552,9 +563,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="choose each cycle's block size by measured cost "
         "(default: on for greedy decoding without --block-size)",
     )
-    parser.add_argument("--acceptance", default="coupled", choices=RULES)
     parser.add_argument(
-        "--tree-budget", type=int, help="verify trees of up to N draft tokens (tree.py)"
+        "--acceptance", default="coupled", choices=RULES, help="the rule for sampled drafts"
+    )
+    parser.add_argument(
+        "--tree-budget",
+        type=int,
+        help="verify trees of up to N draft tokens (default: chains, or by cost)",
     )
     parser.add_argument(
         "--draft-window",
@@ -562,7 +577,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="drafter attends to the last N context positions only (default: the drafter's "
         "own, where its config sets one; 0: the whole context)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampling and of the random drafter"
+    )
     add_trust_remote_code_argument(parser)
     add_rank_timeout_argument(parser)
     parser.add_argument("--out", default="dflash_bench.json", help="JSON results file")
@@ -580,6 +597,8 @@ def run(args: argparse.Namespace) -> None:
         from .gguf import smollm2_model_dir
 
         args.model = str(smollm2_model_dir())
+    if is_rank0(group):
+        print(f"bench: loading {args.model}...", file=sys.stderr, flush=True)
     model, tokenizer = load(
         args.model,
         dtype=args.dtype,
@@ -599,6 +618,8 @@ def run(args: argparse.Namespace) -> None:
             context_window=args.draft_window,
         )
         draft_label = f"random drafter ({args.draft_layers} layers)"
+        if is_rank0(group):
+            print(RANDOM_DRAFTER_WARNING, file=sys.stderr, flush=True)
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx bench")
 
     def log(message: str) -> None:  # once per prompt: progress for the watchdog
@@ -663,20 +684,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {args.out} and {png}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m dflash_mlx.bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError, PermissionError) as exc:
-        print(f"dflash-mlx bench: error: {exc}", file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    main()
+    from .cli import run_as_module
+
+    run_as_module("bench")

@@ -24,36 +24,54 @@ from .chat_format import has_chat_template, open_prompt
 from .checkpoint import load_draft
 from .draft import DFlashDraft
 from .generate import stream_generate
-from .loading import DTYPES, KEEP_CHECKPOINT
-from .loop import PREFILL_STEP
 from .prompt_cache import PromptCache, make_prompt_cache
-from .session import add_prompt_arguments, add_trust_remote_code_argument
+from .session import (
+    add_draft_argument,
+    add_dtype_argument,
+    add_prompt_arguments,
+    add_trust_remote_code_argument,
+)
 from .settings import GenerationSettings
 from .target import load
+
+PROGRESS_STEP = 256  # prompt tokens per prefill forward: how often the bar moves
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="target: mlx-lm directory or hub id")
-    parser.add_argument("--draft", help="DFlash drafter: directory or hub id")
+    add_draft_argument(parser)
     parser.add_argument("--no-draft", action="store_true", help="cache the target's only")
-    parser.add_argument("--dtype", choices=[*DTYPES, KEEP_CHECKPOINT], help="as for generate")
+    add_dtype_argument(parser)
+    parser.add_argument(
+        "--adapter-path", help="LoRA adapter weights and config for the target (as mlx-lm's)"
+    )
     add_trust_remote_code_argument(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
     add_prompt_arguments(parser)
 
 
-def prefill(model, tokenizer, draft: DFlashDraft | None, prompt: list[int]) -> PromptCache:
-    """Caches holding `prompt`, prefilled a chunk at a time under a progress bar."""
+def prefill(
+    model, tokenizer, draft: DFlashDraft | None, prompt: list[int], step: int = PROGRESS_STEP
+) -> PromptCache:
+    """Caches holding `prompt`, prefilled `step` tokens per forward under a progress bar that
+    moves after each (generate's 2,048 would leave it still for a whole shorter prompt)."""
     cache = make_prompt_cache(model, draft)
-    settings = GenerationSettings(max_tokens=1)
-    ends = [*range(PREFILL_STEP, len(prompt), PREFILL_STEP), len(prompt)]
+    settings = GenerationSettings(max_tokens=1, prefill_step_size=step)
     with tqdm(total=len(prompt), unit="tok", desc="prefill", file=sys.stderr) as bar:
-        for end in ends:  # each call prefills what the last one did not
-            for _ in stream_generate(
-                model, draft, tokenizer, prompt[:end], settings=settings, prompt_cache=cache
-            ):
-                pass
-            bar.update(end - bar.n)
+
+        def advance(processed: int, total: int) -> None:
+            bar.update(processed - bar.n)
+
+        for _ in stream_generate(
+            model,
+            draft,
+            tokenizer,
+            prompt,
+            settings=settings,
+            prompt_cache=cache,
+            prompt_progress_callback=advance,
+        ):
+            pass
     return cache
 
 
@@ -66,7 +84,12 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.prompt_cache_file)
     if not out.parent.is_dir():
         raise ValueError(f"--prompt-cache-file: no directory {out.parent}")
-    model, tokenizer = load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load(
+        args.model,
+        args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        adapter_path=args.adapter_path,
+    )
     draft = None if args.no_draft else load_draft(args.draft)
     chat = args.chat_template and has_chat_template(tokenizer)
     if args.system and not chat:
@@ -81,3 +104,9 @@ def run(args: argparse.Namespace) -> None:
         f"tok/s) to {out}",
         file=sys.stderr,
     )
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("cache-prompt")

@@ -25,8 +25,10 @@ from .generate import stream_generate
 from .prompt_cache import make_prompt_cache
 from .response import GenerationResponse
 from .session import (
+    PrefillProgress,
     ReplyStats,
     add_model_arguments,
+    add_system_prompt_argument,
     add_template_config_argument,
     generation_settings,
     load_models,
@@ -38,7 +40,7 @@ HELP = """commands:
   /reset   start a new conversation (the system message is kept)
   /stats   totals for this conversation
   /help    this help
-  /quit    exit (Ctrl-D also exits)
+  /quit    exit (also /exit, or Ctrl-D)
 Ctrl-C stops the current answer and keeps the conversation."""
 
 
@@ -65,7 +67,8 @@ class Chat:
         self.template_kwargs = template_kwargs or {}
         self.lockstep = lockstep or Lockstep(None, 0, "chat")
         self.max_context = TargetAdapter(model).max_context
-        self.cache = make_prompt_cache(model, draft)
+        self.cache = make_prompt_cache(model, draft, **settings.cache_options)
+        self.progress = PrefillProgress()
         self.reset()
 
     def reset(self) -> None:
@@ -83,7 +86,7 @@ class Chat:
         """The tokens to prefill and the responses to `prompt` (the whole conversation);
         what every rank runs for a turn."""
         if fresh_cache:
-            self.cache = make_prompt_cache(self.model, self.draft)
+            self.cache = make_prompt_cache(self.model, self.draft, **self.settings.cache_options)
         new = len(prompt) - self.cache.reuse(prompt)
         settings = self.settings.but(max_tokens=max_tokens)
         responses = stream_generate(
@@ -93,6 +96,7 @@ class Chat:
             prompt,
             settings=settings,
             prompt_cache=self.cache,
+            prompt_progress_callback=self.progress if self.lockstep.leader else None,
         )
         return new, self.lockstep.steps(responses, stop)
 
@@ -241,7 +245,7 @@ def wait_for_input(prompt: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
-    parser.add_argument("--system", help="system message")
+    add_system_prompt_argument(parser)
     add_template_config_argument(parser)
     parser.add_argument(
         "--no-prompt-cache",
@@ -297,3 +301,9 @@ def converse(chat: Chat) -> None:
             print(f"unknown command {line.split()[0]}; /help lists them", file=sys.stderr)
         elif line:
             chat.ask(line)
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("chat")

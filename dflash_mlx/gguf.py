@@ -84,6 +84,7 @@ def smollm2_model_dir() -> Path:
     if out.exists():
         return out
     gguf_path = smollm2_gguf_path()
+    print(f"Converting {SMOLLM2_GGUF} to an mlx-lm directory (once)...", file=sys.stderr)
     try:
         convert_gguf(gguf_path, out)
     except OSError:

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,9 @@ def build(path: Path, commands: Callable[[str, str], list[list[str]]]) -> None:
     with a scratch directory for objects) and move `out` to `path`; RuntimeError with the
     compiler's last words if one fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a build takes seconds: said, so the first run's wait is not a silent one
+    name = path.stem.rsplit("-", 1)[0]
+    print(f"dflash-mlx: building the {name} kernel for this machine (once)...", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         out = os.path.join(scratch, path.name)
         for command in commands(out, scratch):

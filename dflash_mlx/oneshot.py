@@ -14,10 +14,13 @@ import argparse
 import json
 import sys
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 from .chat_format import chat_prompt, continued_prompt, has_chat_template
 from .distributed import Lockstep, broadcast_text, is_rank0, world_group
 from .generate import stream_generate
 from .session import (
+    PrefillProgress,
     ReplyStats,
     add_cache_file_argument,
     add_model_arguments,
@@ -25,8 +28,14 @@ from .session import (
     generation_settings,
     load_cache_file,
     load_models,
+    say,
 )
 from .stops import stop_at_strings
+
+
+def true_unless_false(text: str) -> bool:
+    """`--verbose`'s value as mlx_lm.generate reads it: false for 'False' or 'F' (any case)."""
+    return text.lower() not in ("false", "f")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +48,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="end the reply where this text appears, without printing it (repeatable)",
     )
+    parser.add_argument(
+        "--prefill-response",
+        help="the start of the reply: the model goes on from it (with the chat template; "
+        "as mlx_lm.generate's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
+    parser.add_argument(
+        "--verbose",
+        type=true_unless_false,
+        default=True,
+        help="'False' or 'F': print the reply alone, without the loading line, the prefill's "
+        "progress and the stats (as mlx_lm.generate's)",
+    )
+
+
+def chat_text(tokenizer: TokenizerWrapper, args: argparse.Namespace, prompt: str) -> str:
+    """The prompt as a user turn after the system prompt, rendered with the chat template
+    for the reply, or for the rest of it after `--prefill-response` (as mlx_lm.generate)."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    if args.prefill_response is None:
+        return chat_prompt(tokenizer, messages, **args.chat_template_config)
+    messages.append({"role": "assistant", "content": args.prefill_response})
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True, **args.chat_template_config
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -54,19 +88,27 @@ def run(args: argparse.Namespace) -> None:
     chat = args.chat_template and has_chat_template(tokenizer)  # as mlx_lm.generate: else raw
     cache = load_cache_file(args, model, draft)
     if cache is not None:  # the prompt goes on from the cached one
-        if args.system:
-            raise ValueError("--system belongs to the cached prompt (dflash-mlx cache-prompt)")
+        if args.system or args.prefill_response is not None:
+            raise ValueError(
+                "--system-prompt belongs to the cached prompt (dflash-mlx cache-prompt), and "
+                "--prefill-response does not go on from one"
+            )
         prompt = continued_prompt(tokenizer, cache.tokens, prompt, chat, args.chat_template_config)
     elif chat:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": prompt})
-        prompt = chat_prompt(tokenizer, messages, **args.chat_template_config)
-    elif args.system:
-        raise ValueError("--system needs the model's chat template")
+        prompt = chat_text(tokenizer, args, prompt)
+    elif args.system:  # as mlx_lm.generate, which uses it only in the template, but said
+        say(args, "note: --system-prompt is not used without the chat template")
     stats = ReplyStats()
     settings = generation_settings(args)
+    progress = PrefillProgress() if args.verbose and is_rank0(group) else None
     responses = stream_generate(
-        model, draft, tokenizer, prompt, settings=settings, prompt_cache=cache
+        model,
+        draft,
+        tokenizer,
+        prompt,
+        settings=settings,
+        prompt_cache=cache,
+        prompt_progress_callback=progress,
     )
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
     for response in lockstep.steps(stop_at_strings(responses, args.stop)):
@@ -77,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.json:
         print(json.dumps({"text": stats.text, **stats.as_dict()}))
-    else:
-        print()
+        return
+    print()
+    if args.verbose:
         print(stats.summary(), file=sys.stderr)

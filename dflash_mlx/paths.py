@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
+
 
 def cache_dir() -> Path:
     """Cache root: ``$DFLASH_MLX_CACHE`` or ``~/.cache/dflash-mlx``."""

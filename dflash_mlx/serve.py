@@ -9,6 +9,7 @@ runs, so the other commands work on machines that do not have it.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .session import (
     DEFAULT_MAX_BATCH,
@@ -29,16 +30,29 @@ WEB_STACK = ("fastapi", "uvicorn", "pydantic", "starlette")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, max_tokens=512)
     parser.add_argument(
+        "--chat-template",
+        dest="chat_template_source",
+        metavar="CHAT_TEMPLATE",
+        type=template_source,
+        help="the chat template to use instead of the tokenizer's: a Jinja template, or a file "
+        "holding one (default: the tokenizer's)",
+    )
+    parser.add_argument(
         "--chat-template-args",
         type=json_object,
         default={},
         help="""chat template arguments as a JSON object, e.g. '{"enable_thinking": false}' """
         "(a request's chat_template_kwargs override them)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
-    parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)"
+    )
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    parser.add_argument(
+        "--decode-concurrency",
         "--max-batch",
+        dest="max_batch",
+        metavar="DECODE_CONCURRENCY",
         type=int,
         default=DEFAULT_MAX_BATCH,
         help="requests decoded together, one verify forward per cycle for all of them "
@@ -48,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue",
         type=int,
         default=DEFAULT_MAX_QUEUE,
-        help="requests that may wait beyond the batch; more get 503 with Retry-After",
+        help="requests that may wait beyond the batch; more get 503 with Retry-After "
+        f"(default {DEFAULT_MAX_QUEUE})",
     )
     parser.add_argument(
         "--prompt-cache-size",
@@ -67,7 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_file_argument(parser)
     add_limit_arguments(parser)
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log level, in any case",
     )
 
 
@@ -119,6 +137,17 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def template_source(text: str) -> str:
+    """`--chat-template`: `text` itself where it is a Jinja template (it has a '{'), else the
+    template in the file it names."""
+    if "{" in text:
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no file {text} (and no Jinja template: it has no '{{')")
+    return path.read_text()
+
+
 def comma_list(text: str) -> tuple[str, ...]:
     """A comma-separated flag value's items."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
@@ -135,3 +164,9 @@ def run(args: argparse.Namespace) -> None:
             f"serving needs {package}, which is not installed: pip install fastapi uvicorn"
         ) from None
     server.run(args)
+
+
+if __name__ == "__main__":
+    from .cli import run_as_module
+
+    run_as_module("serve")

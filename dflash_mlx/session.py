@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tqdm import tqdm
 
 from .cache_file import load_prompt_cache
 from .checkpoint import load_draft
@@ -26,6 +29,7 @@ from .prompt_cache import PromptCache
 from .response import GenerationResponse
 from .sampling import RULES
 from .settings import GenerationSettings
+from .steps import PREFILL_STEP
 from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
@@ -35,28 +39,47 @@ DEFAULT_MAX_CONNECTIONS = 64  # connections `serve` keeps open
 DEFAULT_REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send a whole request to `serve`
 DEFAULT_PROMPT_CACHE_SIZE = 10  # conversations whose caches `serve` keeps (as mlx_lm.server)
 DEFAULT_PROMPT_CACHE_BYTES = 8 * 2**30  # bytes of cached keys and values `serve` keeps at most
+PROGRESS_DELAY_S = 2.0  # a wait shorter than this draws no progress bar
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    """The flags every model-running subcommand takes, named as in mlx-lm."""
+    """The flags every model-running subcommand takes, named as in mlx-lm (ours as aliases)."""
     parser.add_argument("--model", required=True, help="target: mlx-lm directory or hub id")
-    parser.add_argument("--draft", help="DFlash drafter: directory or hub id")
+    add_draft_argument(parser)
     parser.add_argument(
         "--no-draft",
         action="store_true",
         help="plain autoregressive decoding through the same loop (block size 1)",
     )
+    add_dtype_argument(parser)
     parser.add_argument(
-        "--dtype",
-        choices=[*DTYPES, KEEP_CHECKPOINT],
-        help="the target's dtype (default: float32 on the CPU, dequantized; the checkpoint's on "
-        "a GPU); 'checkpoint' keeps its dtype and quantization",
+        "--adapter-path", help="LoRA adapter weights and config for the target (as mlx-lm's)"
     )
-    parser.add_argument("--block-size", type=int, help="tokens per verify cycle (drafter's)")
+    parser.add_argument(
+        "--extra-eos-token",
+        nargs="+",
+        default=(),
+        help="more tokens (strings or ids) that end the reply, as mlx-lm's",
+    )
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        help="tokens drafted per verify cycle (mlx-lm's name; --block-size minus 1; default: "
+        "the drafter's block size minus 1)",
+    )
+    sizes.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per verify cycle: the drafted ones and the one they follow (default: the "
+        "drafter's)",
+    )
     parser.add_argument(
         "--tree-budget",
         type=int,
-        help="verify a tree of up to N draft tokens per cycle, --block-size - 1 deep",
+        help="verify a tree of up to N draft tokens per cycle, --block-size - 1 deep (default: "
+        "none; without it, --block-size and --adaptive each cycle chooses a chain or a tree by "
+        "cost)",
     )
     parser.add_argument(
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
@@ -67,12 +90,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         help="drafter attends to the last N context positions only (default: the drafter's "
         "own, where its config sets one; 0: the whole context)",
     )
-    parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
+    parser.add_argument(
+        "--max-tokens", "-m", type=int, default=max_tokens, help="most tokens to generate"
+    )
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, help="random seed for sampling")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling top-p (0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0: off)")
+    parser.add_argument("--seed", type=int, help="random seed for sampling (default: none)")
     parser.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
@@ -89,6 +114,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         help="when sampling (all exact): drafts coupled to the target's samples by position "
         "(the clock may size cycles), speculative sampling, or matches of independent samples",
     )
+    add_kv_cache_arguments(parser)
     penalties = parser.add_argument_group(
         "logits processors (mlx-lm's make_logits_processors; the output stays lossless)"
     )
@@ -98,7 +124,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         help="""additive bias per token id as a JSON object, e.g. '{"42": -100}'""",
     )
     for name in ("repetition", "presence", "frequency"):
-        penalties.add_argument(f"--{name}-penalty", type=float, help=f"{name} penalty")
+        penalties.add_argument(
+            f"--{name}-penalty", type=float, help=f"{name} penalty (default: none)"
+        )
         penalties.add_argument(
             f"--{name}-context-size", type=int, help="tokens it looks back at (default 20)"
         )
@@ -110,19 +138,89 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         help="under mlx.launch: split the target's layers over the ranks (pipeline parallel, "
         "models with mlx-lm's pipeline(): qwen3_5, qwen3_next) instead of every layer's weights",
     )
+    parser.set_defaults(chat_template_source=None)  # serve's --chat-template sets it
+
+
+def add_draft_argument(parser: argparse.ArgumentParser) -> None:
+    """`--draft-model` (mlx-lm's name), or `--draft`."""
+    parser.add_argument(
+        "--draft-model",
+        "--draft",
+        dest="draft",
+        metavar="DRAFT_MODEL",
+        help="DFlash drafter: directory or hub id",
+    )
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=[*DTYPES, KEEP_CHECKPOINT],
+        help="the target's dtype (default: float32 on the CPU, dequantized; the checkpoint's on "
+        "a GPU); 'checkpoint' keeps its dtype and quantization",
+    )
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target's cache and prefill, with mlx_lm.generate's flags and defaults."""
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        help="keep at most this many positions in the target's cache, the oldest out first "
+        "(a rotating cache, as mlx-lm's; default: all)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        help="quantize the target's cache to this many bits (default: no quantization)",
+    )
+    parser.add_argument(
+        "--kv-group-size", type=int, default=64, help="group size of the cache's quantization"
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="with --kv-bits: quantize the cache once it holds this many positions",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=PREFILL_STEP,
+        help="prompt tokens prefilled at a time; smaller lowers peak memory",
+    )
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of a command that takes one prompt: the text and how it is rendered."""
-    parser.add_argument("--prompt", "-p", help="the prompt; read from stdin if omitted or '-'")
-    parser.add_argument("--system", help="system message (with the chat template)")
-    parser.add_argument(
+    parser.add_argument("--prompt", "-p", help="the prompt (default: read from stdin; '-' too)")
+    add_system_prompt_argument(parser)
+    templates = parser.add_mutually_exclusive_group()
+    templates.add_argument(
         "--chat-template",
-        action=argparse.BooleanOptionalAction,
+        action="store_true",
         default=True,
         help="wrap the prompt in the model's chat template, if it has one (default: on)",
     )
+    templates.add_argument(
+        "--ignore-chat-template",
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help="use the prompt raw, without the chat template (mlx-lm's name)",
+    )
     add_template_config_argument(parser)
+
+
+def add_system_prompt_argument(parser: argparse.ArgumentParser) -> None:
+    """`--system-prompt` (mlx-lm's name), or `--system`."""
+    parser.add_argument(
+        "--system-prompt",
+        "--system",
+        dest="system",
+        metavar="SYSTEM_PROMPT",
+        help="system message (with the chat template)",
+    )
 
 
 def add_cache_file_argument(parser: argparse.ArgumentParser) -> None:
@@ -175,15 +273,28 @@ def load_models(
     rank, and every rank seeds with rank 0's seed.
     """
     if args.draft is None and not args.no_draft:
-        raise ValueError("--draft is required (or pass --no-draft for plain decoding)")
+        raise ValueError("--draft-model is required (or pass --no-draft for plain decoding)")
     generation_settings(args)  # bad settings fail before anything loads
     group = world_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
     groups = {"pipeline_group" if args.pipeline else "tensor_group": group}
+    drafter = "" if args.no_draft else f" and the drafter {args.draft}"
+    say(args, f"loading {args.model}{drafter}...")
+    template = {"chat_template": args.chat_template_source} if args.chat_template_source else {}
     model, tokenizer = load(
-        args.model, args.dtype, trust_remote_code=args.trust_remote_code, **groups
+        args.model,
+        args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        adapter_path=args.adapter_path,
+        tokenizer_config=template,
+        **groups,
     )
+    for token in args.extra_eos_token:
+        try:
+            tokenizer.add_eos_token(token)
+        except ValueError as exc:
+            raise ValueError(f"--extra-eos-token: {exc}") from None
     draft = (
         None
         if args.no_draft
@@ -219,7 +330,50 @@ SETTING_FLAGS = {
     "tree_budget": "--tree-budget",
     "temperature": "--temp",
     "acceptance": "--acceptance",
+    "max_kv_size": "--max-kv-size",
+    "kv_bits": "--kv-bits",
+    "kv_group_size": "--kv-group-size",
+    "quantized_kv_start": "--quantized-kv-start",
+    "prefill_step_size": "--prefill-step-size",
 }
+
+
+def say(args: argparse.Namespace, message: str) -> None:
+    """A line on stderr about what a wait is for, unless `--verbose False` asked for quiet."""
+    if getattr(args, "verbose", True):
+        print(message, file=sys.stderr, flush=True)
+
+
+class PrefillProgress:
+    """A `prompt_progress_callback` drawing the prefill's progress on stderr, only once it has
+    taken `PROGRESS_DELAY_S` (a short prompt shows nothing), and gone when the prefill ends."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def __call__(self, processed: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(
+                total=total,
+                unit="tok",
+                desc="prefill",
+                file=sys.stderr,
+                delay=PROGRESS_DELAY_S,
+                leave=False,
+            )
+        self.bar.update(processed - self.bar.n)
+        if processed >= total:
+            self.bar.close()
+            self.bar = None
+
+
+def block_size(args: argparse.Namespace) -> int | None:
+    """The block size `--block-size`, `--num-draft-tokens` (one less) or `--no-draft` (1) set."""
+    if args.no_draft:
+        return 1
+    if args.num_draft_tokens is not None:
+        return args.num_draft_tokens + 1
+    return args.block_size
 
 
 def generation_settings(args: argparse.Namespace) -> GenerationSettings:
@@ -227,7 +381,7 @@ def generation_settings(args: argparse.Namespace) -> GenerationSettings:
     try:
         return GenerationSettings(
             logits_processors=make_logits_processors(**processor_settings(args)),
-            block_size=1 if args.no_draft else args.block_size,
+            block_size=block_size(args),
             max_tokens=args.max_tokens,
             temperature=args.temp,
             top_p=args.top_p,
@@ -236,6 +390,11 @@ def generation_settings(args: argparse.Namespace) -> GenerationSettings:
             acceptance=args.acceptance,
             adaptive=args.adaptive,
             tree_budget=args.tree_budget,
+            max_kv_size=args.max_kv_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
+            prefill_step_size=args.prefill_step_size,
         )
     except ValueError as exc:
         message = str(exc)

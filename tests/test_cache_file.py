@@ -7,6 +7,7 @@ target or drafter, or altered in any field, is refused in one line; a killed
 import json
 import os
 import subprocess
+from functools import partial
 
 import mlx.core as mx
 import pytest
@@ -15,8 +16,9 @@ from helpers import reference_greedy
 from test_cli import decode_greedy, dflash
 from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
+from tqdm import tqdm
 
-from dflash_mlx import make_prompt_cache
+from dflash_mlx import cache_prompt, make_prompt_cache
 from dflash_mlx.cache_file import PromptCacheError, load_prompt_cache, save_prompt_cache
 from dflash_mlx.cache_prompt import prefill
 from dflash_mlx.chat_format import QUERY
@@ -222,7 +224,8 @@ def test_a_sliding_window_of_another_size_is_refused(family, tokenizer, tmp_path
 
 def test_cache_prompt_progress_moves_within_a_short_prompt(loaded, monkeypatch, capfd):
     model, tokenizer, draft = loaded("llama-tied-gqa")
-    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # draw every update, however fast
+    # draw every update, however fast (tqdm reads its TQDM_* variables once, at import)
+    monkeypatch.setattr(cache_prompt, "tqdm", partial(tqdm, mininterval=0, miniters=1))
     prompt = prompt_of(600, seed=3)
     assert prefill(model, tokenizer, draft, prompt).tokens == prompt
     drawn = capfd.readouterr().err

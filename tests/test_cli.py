@@ -15,7 +15,7 @@ import pytest
 from helpers import copy_dir, mlx_lm_greedy
 from test_generate import oracle_for
 
-from dflash_mlx import GenerationSettings, cli
+from dflash_mlx import GenerationSettings, cli, session
 from dflash_mlx.chat import Chat
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 
@@ -108,6 +108,27 @@ def test_chat_template_config_reaches_every_turn(loaded, capsys):
     assert chat.cache.tokens[: len(tokenizer.encode(text))] == tokenizer.encode(text)
 
 
+def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
+    make_pair, monkeypatch, capsys
+):
+    """The bar shows once the prefill has taken `PROGRESS_DELAY_S` (0 here: always; a long
+    delay: never), counting the prompt's tokens; `--verbose False` draws none."""
+    target, draft = make_pair("llama-tied-gqa")
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+    argv = ["generate", "--model", str(target), "--draft", str(draft), "-p", prompt, "-m", "2"]
+    argv += ["--ignore-chat-template", "--prefill-step-size", "16"]
+    monkeypatch.setattr(session, "PROGRESS_DELAY_S", 0.0)
+    cli.main(argv)
+    err = capsys.readouterr().err
+    assert re.search(r"prefill: +0%.*\| 0/\d+ ", err), err
+    assert err.startswith(f"loading {target} and the drafter {draft}...\n")
+    cli.main([*argv, "--verbose", "False"])
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(session, "PROGRESS_DELAY_S", 3600.0)
+    cli.main(argv)
+    assert "prefill" not in capsys.readouterr().err
+
+
 def test_no_draft_sampling_follows_the_seed(make_pair):
     target, _ = make_pair("llama-tied-gqa")
     run = "generate --model {} --no-draft --no-chat-template -p 'Alice' -m 24 --temp 2 --seed {}"
@@ -165,7 +186,7 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--model", str(target), "-p", "x"])
     assert exit_info.value.code == 1
-    assert "--draft is required (or pass --no-draft" in capsys.readouterr().err
+    assert "--draft-model is required (or pass --no-draft" in capsys.readouterr().err
     cli.main(["info"])
     out = capsys.readouterr().out
     for key in ("mlx ", "device", "metal available", "BLAS", "block-attention kernels", "cache"):
@@ -252,7 +273,7 @@ def test_chat_two_turns_stats_reset_and_exit(make_pair):
     child.expect(r"\[0 turns, 1 messages, 0 tokens generated, [^\]]*, 0 tokens cached\]")
     assert turn(child, "How many apples?") == first  # a fresh start answers the same
     child.sendline("/help")
-    child.expect("/quit")
+    child.expect(r"/quit +exit \(also /exit, or Ctrl-D\)")
     child.expect(">> ")
     child.sendeof()
     child.expect(pexpect.EOF)

@@ -14,6 +14,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MAIN_TEST = "__name__ == '__main__'"
+
+
+def without_main_block(tree: ast.Module) -> ast.Module:
+    """`tree` less its `if __name__ == "__main__":` block: that code runs only in the module
+    run as a script (`__main__`), which no module imports, so its imports close no cycle."""
+    tree.body = [
+        n for n in tree.body if not (isinstance(n, ast.If) and ast.unparse(n.test) == MAIN_TEST)
+    ]
+    return tree
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports anywhere in its source.
 
@@ -26,7 +38,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(without_main_block(ast.parse(path.read_text()))):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names if a.name.startswith("dflash_mlx")}
             elif isinstance(node, ast.ImportFrom):

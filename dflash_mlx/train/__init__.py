@@ -57,7 +57,7 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..session import add_trust_remote_code_argument
 
-    sub = parser.add_subparsers(dest="stage", required=True)
+    sub = parser.add_subparsers(dest="stage", required=True, help="the stage to run")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help="target dir or hub id (default: SmolLM2)")
     common.add_argument("--name", default="smollm2-135m-instruct", help="work dir name")
@@ -65,14 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_remote_code_argument(common)
 
     p = sub.add_parser("data", parents=[common], help="generate self-distillation replies")
-    p.add_argument("--num-prompts", type=int, default=3000)
-    p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--batch-size", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=3000, help="prompts to reply to")
+    p.add_argument("--max-tokens", type=int, default=192, help="most tokens per reply")
+    p.add_argument("--batch-size", type=int, default=48, help="replies generated together")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts drawn")
 
     p = sub.add_parser("features", parents=[common], help="cache target hidden states")
     p.add_argument("--taps", type=_ints, default=_ints(DEFAULT_TAPS), help="target layer ids")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
 
     p = sub.add_parser("fit", parents=[common], help="train (resumes from WORK/ckpt)")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
@@ -131,18 +131,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{text} (dspark; default {getattr(TrainConfig, field)}, DeepSpec's)",
         )
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--seqs-per-step", type=int, default=2)
-    p.add_argument("--blocks-per-seq", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all")
+    p.add_argument("--seqs-per-step", type=int, default=2, help="sequences per step")
+    p.add_argument("--blocks-per-seq", type=int, default=32, help="blocks drawn per sequence")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=100, help="steps of learning-rate warm-up")
     p.add_argument(
         "--gamma",
         type=float,
         default=None,
         help="loss decay w_k = exp(-(k-1)/gamma) (default 7; dspark: 4, DeepSpec's)",
     )
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     p.add_argument(
         "--soft-weight",
         type=float,
@@ -151,19 +151,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "term matches the target's whole distribution)",
     )
     p.add_argument("--full-vocab", action="store_true", help="softmax over the whole vocab")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-prompts", type=int, default=3)
-    p.add_argument("--eval-max-tokens", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
+    p.add_argument("--eval-prompts", type=int, default=3, help="prompts per evaluation")
+    p.add_argument("--eval-max-tokens", type=int, default=64, help="tokens per evaluation reply")
     p.add_argument(
         "--val-seqs", type=int, default=0, help="hold out the last N sequences for validation"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the drafter's initialisation and the batches"
+    )
 
     p = sub.add_parser("export", parents=[common], help="write the trained drafter")
     p.add_argument("--out", required=True, help="our layout (with README.md model card)")
     p.add_argument("--published", default=None, help="also write the published layout here")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "float16", "bfloat16"),
+        help="the drafter's dtype",
+    )
     p.add_argument("--card", default=None, help="model card markdown file (default: a stub)")
     p.add_argument(
         "--draft-vocab",
