@@ -3,13 +3,17 @@
     python benchmarks/sampled.py                      # SmolLM2-135M + the shipped drafter
     python benchmarks/sampled.py --rounds 3 --max-tokens 96
     python benchmarks/sampled.py --rules speculative coupled --mlx-exp
+    python benchmarks/sampled.py --rules coupled --full-transforms
 
 Per prompt and setting, interleaved in one process: mlx-lm's `stream_generate` with its
 `make_sampler`; this project's loop as it runs by default (chains or trees chosen per cycle:
 by the clock under the coupled rule, from the backend's fixed cycle costs under the others)
 with `acceptance` set to each rule of `--rules`; with `--mlx-exp`, the default rule's loop
-normalising with `mx.logsumexp` (the default before `cpu_math`). Each run starts from the
-same seed; every rule's runs twice to check that a seeded sampled run is reproducible.
+normalising with `mx.logsumexp` (the default before `cpu_math`); with `--full-transforms`, the
+coupled rule's loop with every drafted and verified row through the full-vocabulary transform
+(no near-candidate ranking for the drafter, no sort-free choice for the target). Each run
+starts from the same seed; every rule's runs twice to check that a seeded sampled run is
+reproducible.
 Reports median decode tok/s, the ratio to mlx-lm and tau (tokens per verify cycle).
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # isort: off
 import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
@@ -59,6 +65,17 @@ def dflash_run(model, draft, tokenizer, ids: list[int], seed: int, **kwargs):
     return tokens, responses[-1].generation_tps, tau
 
 
+@contextmanager
+def full_transforms() -> Iterator[None]:
+    """Verifiers made meanwhile take every row through `transform` (their cheap ways None)."""
+    cheap = sampling.make_draft_ranking, sampling.make_coupled_choice
+    sampling.make_draft_ranking = sampling.make_coupled_choice = lambda *setting: None
+    try:
+        yield
+    finally:
+        sampling.make_draft_ranking, sampling.make_coupled_choice = cheap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="target directory (default: SmolLM2-135M-Instruct)")
@@ -67,6 +84,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rules", nargs="+", default=["speculative", "coupled"])
     parser.add_argument("--mlx-exp", action="store_true", help="also normalise with MLX's exp")
+    parser.add_argument(
+        "--full-transforms",
+        action="store_true",
+        help="also run the coupled rule with every row through the full-vocabulary transform",
+    )
     args = parser.parse_args()
 
     model, tokenizer = load(args.model or smollm2_model_dir())
@@ -77,6 +99,8 @@ def main() -> None:
         taus: dict[str, list[float]] = {rule: [] for rule in args.rules}
         if args.mlx_exp:
             rates["mlx exp"] = []
+        if args.full_transforms:
+            rates["full transforms"] = []
         reproducible = True
         for r in range(args.rounds):
             for i, prompt in enumerate(PROMPTS):
@@ -98,6 +122,12 @@ def main() -> None:
                     finally:
                         sampling.logsumexp = default_logsumexp
                     rates["mlx exp"].append(rate)
+                if args.full_transforms:
+                    with full_transforms():
+                        _, rate, _ = dflash_run(
+                            model, draft, tokenizer, ids, acceptance="coupled", **run
+                        )
+                    rates["full transforms"].append(rate)
         base = statistics.median(rates["mlx-lm"])
         print(f"{setting}: seeded reruns identical: {reproducible}")
         for name, values in rates.items():

@@ -5,11 +5,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p, make_presence_penalty, make_sampler
-from scipy.stats import chisquare
+from scipy.stats import chisquare, gumbel_r, kstest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import Verifier, make_logprobs_transform, make_verifier, nucleus
+from dflash_mlx.sampling import (
+    Verifier,
+    logsumexp,
+    make_coupled_choice,
+    make_logprobs_transform,
+    make_scores_transform,
+    make_verifier,
+    nucleus,
+    position_noise,
+)
 from dflash_mlx.tree import build_tree, top_candidates, walk
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
@@ -372,3 +381,109 @@ def test_a_coupled_verifier_refuses_to_verify_without_its_position():
         verifier.verify(drafts, None, logits)
     verifier.at(5, 8)
     assert verifier.verify(drafts, None, logits).token.item() in range(8)
+
+
+def peaked_rows(rng: np.random.Generator, rows: int, vocab: int) -> mx.array:
+    """Logits whose mass sits on a few tokens (the rest ~e^-40 as likely), like a language
+    model's confident rows: a nucleus inside the drafter's near candidates."""
+    logits = rng.normal(-30.0, 1.0, size=(rows, vocab))
+    for row in logits:
+        row[rng.choice(vocab, size=12, replace=False)] = rng.normal(3.0, 1.5, size=12)
+    return mx.array(logits.astype(np.float32))
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0)])
+def test_coupled_drafts_are_the_full_transforms_where_the_nucleus_is_near(setting):
+    """Where a row's nucleus lies inside its near candidates, the drafter's cheap ranking (or,
+    unfiltered, its unnormalised scores) drafts what the full-vocabulary transform would:
+    argmax(log q + G) at each row's position."""
+    rng = np.random.default_rng(2)
+    vocab, disagreements = 4096, 0
+    for trial in range(40):
+        verifier = make_verifier(**setting, seed=trial).for_reply()
+        verifier.at(100 + trial, vocab)
+        logits = peaked_rows(rng, 5, vocab)
+        drafts, _ = verifier.propose(logits)
+        noise = mx.array(
+            np.stack([position_noise(verifier.seed, 100 + trial + i, vocab) for i in range(5)])
+        )
+        exact = mx.argmax(make_logprobs_transform(**setting)(logits) + noise, axis=-1)
+        disagreements += (drafts != exact.astype(drafts.dtype)).sum().item()
+    assert disagreements == 0
+
+
+def test_coupled_trees_rank_near_candidates_as_the_full_transform():
+    """`tree_scores` keeps each depth's near candidates' log q + G and nothing else: the same
+    top-2 per depth as the full transform's, over a draft vocabulary's columns too."""
+    rng = np.random.default_rng(3)
+    vocab, setting = 3000, dict(temperature=0.8, top_p=0.9)
+    token_ids = sorted(rng.choice(vocab, size=2048, replace=False).tolist())
+    for trial in range(20):
+        verifier = make_verifier(**setting, seed=trial).for_reply()
+        verifier.at(7, vocab)
+        logits = peaked_rows(rng, 3, len(token_ids))
+        cheap = top_candidates(verifier.tree_scores(logits, token_ids), 2, token_ids)[0]
+        noise = np.stack([position_noise(verifier.seed, 7 + i, vocab) for i in range(3)])
+        full = make_logprobs_transform(**setting)(logits) + mx.array(noise[:, token_ids])
+        assert cheap == top_candidates(full, 2, token_ids)[0]
+
+
+def test_coupled_verify_chooses_rows_only_up_to_the_first_rejection():
+    """On the CPU the coupled verdict reads the target's rows one by one: the same accepted
+    count and token as every row's coupled choice, for accepted + 1 rows' choices."""
+    rng = np.random.default_rng(4)
+    vocab, rows = 50, 6
+    setting = dict(temperature=0.9, top_p=0.95)
+    transform, choice = make_logprobs_transform(**setting), make_coupled_choice(**setting)
+    for trial in range(30):
+        chosen = []
+
+        def counted(logits, noise, chosen=chosen):
+            chosen.append(logits.shape[0])
+            return choice(logits, noise)
+
+        verifier = Verifier(
+            transform, "coupled", coupled_choice=counted, row_by_row=True, seed=trial
+        )
+        verifier.at(3, vocab)
+        logits = mx.array(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+        noise = mx.array(np.stack([position_noise(trial, 3 + i, vocab) for i in range(rows)]))
+        choices = mx.argmax(transform(logits) + noise, axis=-1).tolist()
+        agree = int(rng.integers(0, rows))  # drafts agreeing with the first `agree` choices
+        drafts = choices[:agree] + [(c + 1) % vocab for c in choices[agree : rows - 1]]
+        verdict = verifier.verify(mx.array(drafts, dtype=mx.uint32), None, logits)
+        assert verdict.accepted.item() == agree
+        assert verdict.token.item() == choices[agree]
+        assert verdict.matches.tolist() == [i < agree for i in range(rows - 1)]
+        assert sum(chosen) == agree + 1
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_coupled_choice_is_the_full_transforms_argmax_bit_for_bit(top_p):
+    """The best of the whole row stands for the nucleus's best only where it is surely
+    inside; rows where it may not be (flat ones) take the full transform: the same choices."""
+    rng = np.random.default_rng(6)
+    setting = dict(temperature=0.7, top_p=top_p)
+    for vocab, scale in [(49152, 3.0), (2000, 0.5)]:
+        logits = mx.array(rng.normal(size=(64, vocab)).astype(np.float32) * scale)
+        noise = mx.array(np.stack([position_noise(6, i, vocab) for i in range(64)]))
+        full = mx.argmax(make_scores_transform(**setting)(logits) + noise, axis=-1)
+        assert make_coupled_choice(**setting)(logits, noise).tolist() == full.tolist()
+
+
+def test_scores_are_the_transform_up_to_a_constant_per_row():
+    mx.random.seed(5)
+    logits = mx.random.normal((3, 1000)) * 3
+    for setting in SETTINGS:
+        scores = make_scores_transform(**setting)(logits)
+        logprobs = make_logprobs_transform(**setting)(logits)
+        assert np.array_equal(np.array(scores - logsumexp(scores)), np.array(logprobs))
+
+
+def test_position_noise_is_standard_gumbel_and_keyed_by_seed_and_position():
+    noise = position_noise(7, 11, 200_000)
+    assert noise.dtype == np.float32 and np.isfinite(noise).all()
+    assert kstest(noise, gumbel_r.cdf).pvalue > SIGNIFICANCE
+    assert np.array_equal(position_noise(7, 11, 1000), noise[:1000])
+    for other in (position_noise(7, 12, 1000), position_noise(8, 11, 1000)):
+        assert abs(np.corrcoef(other, noise[:1000])[0, 1]) < 0.15
