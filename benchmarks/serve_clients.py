@@ -123,11 +123,11 @@ class Reply:
     usage: bool  # the token count came from the stream's usage (else: text chunks counted)
 
 
-def chat(client: OpenAI, prompt: dict[str, str], max_tokens: int) -> Reply:
+def chat(client: OpenAI, model: str, prompt: dict[str, str], max_tokens: int) -> Reply:
     """One streaming greedy chat completion, timed from the client's side."""
     start = time.perf_counter()
     stream = client.chat.completions.create(
-        model="default_model",  # mlx_lm.server's name for its --model; ours takes any
+        model=model,
         messages=[{"role": "user", "content": prompt["prompt"]}],
         temperature=0.0,
         max_tokens=max_tokens,
@@ -155,12 +155,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(len(ordered) * q / 100) - 1)]
 
 
-def burst(client: OpenAI, prompts: list[dict[str, str]], clients: int, max_tokens: int) -> dict:
+def burst(
+    client: OpenAI, model: str, prompts: list[dict[str, str]], clients: int, max_tokens: int
+) -> dict:
     """All `prompts` through `clients` concurrent streams; the run's measurements."""
     pool = ThreadPoolExecutor(clients)
     start = time.perf_counter()
     try:
-        replies = list(pool.map(lambda p: chat(client, p, max_tokens), prompts))
+        replies = list(pool.map(lambda p: chat(client, model, p, max_tokens), prompts))
     finally:  # on Ctrl-C, not waiting for streams that end when the servers are stopped
         pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - start
@@ -274,12 +276,14 @@ def main() -> None:
             log = Path(args.out).with_suffix(f".{name}.log")
             process = servers.enter_context(running(argv, log))
             wait_ready(name, f"http://127.0.0.1:{ports[name]}", process, log, args.ready_timeout)
+        # the name each server answers to: mlx_lm.server's for its --model, ours as listed
+        models = {"dflash": clients["dflash"].models.list().data[0].id, "mlx-lm": "default_model"}
         for name in SERVERS:  # warm-up: loading and first-call set-up stay out of the runs
-            chat(clients[name], prompts[0], 8)
+            chat(clients[name], models[name], prompts[0], 8)
         for n in args.clients:
             for round_ in range(args.rounds):
                 for name in SERVERS:
-                    run = burst(clients[name], prompts, n, args.max_tokens)
+                    run = burst(clients[name], models[name], prompts, n, args.max_tokens)
                     runs.append({"server": name, "clients": n, "round": round_, **run})
                     print(
                         f"{n} clients, {name}, round {round_}: {run['aggregate_tps']:.1f} tok/s "

@@ -14,6 +14,11 @@ A file comes from elsewhere (another run, a copy, a download), so nothing in it 
 before it is checked against what the loaded models' own caches hold after one token:
 the same fields, arrays of the same dtype and shape but for the positions, the same
 settings (a window's size), and as many positions held as it has tokens.
+
+The caches are made with the cache options the file records (`max_kv_size`, `kv_bits`,
+`kv_group_size`, `quantized_kv_start`, as `make_prompt_cache` takes them): like mlx-lm's, a
+prompt cache keeps the options it was made with. A file that records none was written
+before files did, with the default options.
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .draft import DFlashDraft
-from .prompt_cache import PromptCache, make_prompt_cache
-from .rollback import cache_parts
+from .prompt_cache import CACHE_SETTINGS, PromptCache, make_prompt_cache
+from .rollback import QuantizingKVCache, cache_parts
+from .settings import GenerationSettings
 from .staging import remove_stale, staging_path
 from .target import TargetAdapter
 
 FORMAT = "dflash-mlx prompt cache 1"
 METADATA = ("format", "model", "draft", "tokens", "layout")
+OPTIONAL = ("options",)  # files written before they recorded their cache options have none
+DEFAULT_OPTIONS = GenerationSettings().cache_options
 SCALARS = (int, float, bool, str, type(None))
 REMAKE = "make it again with dflash-mlx cache-prompt"
 # How many of its first positions a cache with keys and values no longer holds: a chunk's
@@ -44,6 +52,9 @@ REMAKE = "make it again with dflash-mlx cache-prompt"
 DROPPED = ("start_position", "dropped")
 # A cache's numbers that count positions; any other is a setting of the model's caches.
 COUNTERS = ("offset", *DROPPED)
+# The fields whose arrays (or a quantized cache's packed arrays, scales and biases) run over
+# positions, on the second last axis.
+POSITIONED = ("keys", "values")
 
 
 class PromptCacheError(ValueError):
@@ -91,9 +102,14 @@ def _keyed(cache: PromptCache) -> list[tuple[str, Any]]:
 
 
 def save_prompt_cache(
-    path: str | Path, cache: PromptCache, model: nn.Module, draft: DFlashDraft | None
+    path: str | Path,
+    cache: PromptCache,
+    model: nn.Module,
+    draft: DFlashDraft | None,
+    options: dict[str, Any] | None = None,
 ) -> None:
-    """Write `cache` (made with `model` and `draft`) to exactly `path`, atomically."""
+    """Write `cache` (made with `model`, `draft` and the cache `options` given to
+    `make_prompt_cache`, the defaults for those left out) to exactly `path`, atomically."""
     arrays: dict[str, mx.array] = {}
     layout = [
         {"class": type(c).__name__, "fields": _fields(c, key, arrays)} for key, c in _keyed(cache)
@@ -104,6 +120,7 @@ def save_prompt_cache(
         "draft": fingerprint(draft),
         "tokens": json.dumps(cache.tokens),
         "layout": json.dumps(layout),
+        "options": json.dumps({**DEFAULT_OPTIONS, **(options or {})}),
     }
     path = Path(path)
     remove_stale(path)  # what a killed run left
@@ -115,19 +132,30 @@ def save_prompt_cache(
         staged.unlink(missing_ok=True)
 
 
-def load_prompt_cache(path: str | Path, model: nn.Module, draft: DFlashDraft | None) -> PromptCache:
-    """The prompt cache saved at `path`, or a one-line `PromptCacheError` if it is not one,
-    was made for another target or drafter, or holds anything their caches would not."""
+def load_prompt_cache(
+    path: str | Path,
+    model: nn.Module,
+    draft: DFlashDraft | None,
+    asked: dict[str, Any] | None = None,
+) -> PromptCache:
+    """The prompt cache saved at `path`, made with the cache options it records, or a
+    one-line `PromptCacheError` if it is not one, was made for another target or drafter,
+    holds anything their caches would not, or was made with other options than `asked`
+    sets (those left at their defaults are the file's)."""
     try:
         arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         raise PromptCacheError(f"{path}: cannot read a prompt cache from it ({exc})") from None
     _check_metadata(path, metadata, model, draft)
     tokens = _tokens(path, metadata, TargetAdapter(model).vocab_size)
-    cache, probe = make_prompt_cache(model, draft), _probe(model, draft)
+    options = _options(path, metadata)
+    _check_asked(path, options, asked or {})
+    cache, probe = _made(path, model, draft, options), _probe(model, draft, options)
     layout = _layout(path, metadata, cache)
     used: set[str] = set()
     for (key, c), (_, reference), entry in zip(_keyed(cache), _keyed(probe), layout):
+        _as_in_file(c, entry)
+        _as_in_file(reference, entry)
         _restore(path, key, c, reference, entry, arrays, used)
         if c.offset != len(tokens):
             raise _corrupt(path, f"{key} holds {c.offset} positions for {len(tokens)} tokens")
@@ -149,7 +177,7 @@ def _check_metadata(
         raise PromptCacheError(f"{path} is not a dflash-mlx prompt cache (dflash-mlx cache-prompt)")
     if missing := [name for name in METADATA if name not in metadata]:
         raise _corrupt(path, f"no {missing[0]!r} field")
-    if unknown := sorted(set(metadata) - set(METADATA)):
+    if unknown := sorted(set(metadata) - set(METADATA) - set(OPTIONAL)):
         raise _corrupt(path, f"an unknown field {unknown[0]!r}")
     if metadata["model"] != fingerprint(model):
         raise PromptCacheError(f"{path} was made for another target model (or another dtype)")
@@ -176,6 +204,51 @@ def _tokens(path: str | Path, metadata: dict[str, str], vocab_size: int) -> list
     return tokens
 
 
+def _options(path: str | Path, metadata: dict[str, str]) -> dict[str, Any]:
+    """The cache options the file's caches were made with, checked as `stream_generate`
+    checks them."""
+    if "options" not in metadata:
+        return dict(DEFAULT_OPTIONS)
+    options = _json(path, metadata, "options")
+    if not isinstance(options, dict) or set(options) != set(CACHE_SETTINGS):
+        raise _corrupt(path, f"its 'options' field does not name the options {CACHE_SETTINGS}")
+    try:
+        GenerationSettings(**options)
+    except ValueError as exc:
+        raise _corrupt(path, f"its cache options: {exc}") from None
+    return options
+
+
+def _check_asked(path: str | Path, options: dict[str, Any], asked: dict[str, Any]) -> None:
+    """Refuse cache options asked for beside the file that are not its own, as mlx-lm's
+    generate refuses another `--kv-bits` than its prompt cache's: a cache is made once."""
+    for name, value in asked.items():
+        if value not in (DEFAULT_OPTIONS[name], options[name]):
+            flag = "--" + name.replace("_", "-")
+            raise PromptCacheError(
+                f"{path} was made with {name}={options[name]!r}, not {value!r}: leave out "
+                f"{flag} (the file's cache options are used), or make the file with it"
+            )
+
+
+def _made(
+    path: str | Path, model: nn.Module, draft: DFlashDraft | None, options: dict[str, Any]
+) -> PromptCache:
+    """Fresh caches made with the file's `options` (which may not fit these models)."""
+    try:
+        return make_prompt_cache(model, draft, **options)
+    except ValueError as exc:
+        raise _corrupt(path, f"its cache options: {exc}") from None
+
+
+def _as_in_file(cache: Any, entry: Any) -> None:
+    """Quantize `cache` if it is a `QuantizingKVCache` that the file's `entry` records
+    quantized (its fields have the quantization's `bits`)."""
+    fields = entry.get("fields") if isinstance(entry, dict) else None
+    if isinstance(cache, QuantizingKVCache) and isinstance(fields, dict) and "bits" in fields:
+        cache.quantize()
+
+
 def _layout(path: str | Path, metadata: dict[str, str], cache: PromptCache) -> list:
     """The file's layout, one entry per cache of `cache` and of the same class."""
     layout = _json(path, metadata, "layout")
@@ -187,10 +260,10 @@ def _layout(path: str | Path, metadata: dict[str, str], cache: PromptCache) -> l
     return layout
 
 
-def _probe(model: nn.Module, draft: DFlashDraft | None) -> PromptCache:
+def _probe(model: nn.Module, draft: DFlashDraft | None, options: dict[str, Any]) -> PromptCache:
     """Fresh caches after one token: what the models' own caches hold, for a file's to match.
     Only what feeds the caches is evaluated (the drafter gets zero features)."""
-    probe = make_prompt_cache(model, draft)
+    probe = make_prompt_cache(model, draft, **options)
     target = TargetAdapter(model)
     target.model(mx.array([[0]]), cache=probe.target)
     if draft is not None:
@@ -222,7 +295,7 @@ def _restore(
             raise _corrupt(path, f"{key} has a field {name!r} its {type(cache).__name__} has not")
         value = _value(path, f"{key}.{name}", tag, arrays, used)
         _check_field(path, f"{key}.{name}", value, fresh[name], probed.get(name), dtypes)
-        setattr(cache, name, value)
+        setattr(cache, name, tuple(value) if isinstance(probed.get(name), tuple) else value)
     for name, expected in probed.items():
         if _holds_arrays(expected) and not _holds_arrays(getattr(cache, name)):
             raise _corrupt(path, f"{key} has no {name!r}")
@@ -261,8 +334,9 @@ def _check_field(
     if isinstance(probed, list | tuple):
         if not isinstance(value, list) or len(value) != len(probed):
             raise _corrupt(path, f"{name} is not {len(probed)} arrays")
+        positions = name.rpartition(".")[2] in POSITIONED
         for i, (v, p) in enumerate(zip(value, probed)):
-            _check_array(path, f"{name}.{i}", v, p, positions=False)
+            _check_array(path, f"{name}.{i}", v, p, positions)
     elif isinstance(probed, mx.array):
         _check_array(path, name, value, probed, positions=True)
     elif fresh is None and isinstance(value, mx.array):  # only a longer prompt fills it
@@ -302,12 +376,17 @@ def _described(array: mx.array) -> str:
 
 def _check_held(path: str | Path, key: str, cache: Any) -> None:
     """A cache with keys and values (mlx-lm's protocol) holds every position from its first
-    to its offset (the positions a window or a chunk has dropped are not held)."""
+    to its offset (the positions a window or a chunk has dropped are not held), and one
+    quantized from a position on holds at least that many."""
     first = sum(getattr(cache, name, 0) for name in DROPPED)
     if first > cache.offset:
         raise _corrupt(path, f"{key} starts at position {first}, after its last")
+    if isinstance(cache, QuantizingKVCache) and cache.quantized:
+        if cache.offset < (start := cache.quantization[2]):
+            raise _corrupt(path, f"{key} is quantized from position {start} but holds fewer")
     needed = cache.offset - first
-    for name in ("keys", "values"):
+    for name in POSITIONED:
         held = getattr(cache, name, None)
+        held = held[0] if isinstance(held, tuple) else held  # quantized: the packed values
         if isinstance(held, mx.array) and held.shape[-2] < needed:
             raise _corrupt(path, f"{key}.{name} holds {held.shape[-2]} of {needed} positions")

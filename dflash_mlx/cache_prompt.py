@@ -8,6 +8,9 @@ file with `--prompt-cache-file`, prefilling only what follows it.
 
 With a chat template the cached prompt is a user message left open, and the
 prompt given later continues that message (mlx-lm's convention).
+
+The cache flags (`--max-kv-size`, `--kv-bits`, `--kv-group-size`, `--quantized-kv-start`)
+are mlx-lm's; the file records them, and a run going on from it makes its caches with them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -28,8 +32,11 @@ from .prompt_cache import PromptCache, make_prompt_cache
 from .session import (
     add_draft_argument,
     add_dtype_argument,
+    add_kv_cache_arguments,
     add_prompt_arguments,
     add_trust_remote_code_argument,
+    cache_options,
+    flagged_settings,
 )
 from .settings import GenerationSettings
 from .target import load
@@ -48,14 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_remote_code_argument(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
     add_prompt_arguments(parser)
+    add_kv_cache_arguments(parser)
 
 
 def prefill(
-    model, tokenizer, draft: DFlashDraft | None, prompt: list[int], step: int = PROGRESS_STEP
+    model,
+    tokenizer,
+    draft: DFlashDraft | None,
+    prompt: list[int],
+    options: dict[str, Any] | None = None,
+    step: int = PROGRESS_STEP,
 ) -> PromptCache:
-    """Caches holding `prompt`, prefilled `step` tokens per forward under a progress bar that
-    moves after each (generate's 2,048 would leave it still for a whole shorter prompt)."""
-    cache = make_prompt_cache(model, draft)
+    """Caches made with the cache `options` (`make_prompt_cache`'s) holding `prompt`,
+    prefilled `step` tokens per forward under a progress bar that moves after each
+    (generate's 2,048 would leave it still for a whole shorter prompt)."""
+    cache = make_prompt_cache(model, draft, **(options or {}))
     settings = GenerationSettings(max_tokens=1, prefill_step_size=step)
     with tqdm(total=len(prompt), unit="tok", desc="prefill", file=sys.stderr) as bar:
 
@@ -84,6 +98,8 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.prompt_cache_file)
     if not out.parent.is_dir():
         raise ValueError(f"--prompt-cache-file: no directory {out.parent}")
+    options = cache_options(args)
+    flagged_settings(**options)  # a bad cache flag's error before the models load
     model, tokenizer = load(
         args.model,
         args.dtype,
@@ -96,8 +112,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--system needs the model's chat template")
     prompt = open_prompt(tokenizer, text, args.system, chat, args.chat_template_config)
     tic = time.perf_counter()
-    cache = prefill(model, tokenizer, draft, prompt)
-    save_prompt_cache(out, cache, model, draft)
+    cache = prefill(model, tokenizer, draft, prompt, options)
+    save_prompt_cache(out, cache, model, draft, options)
     seconds = time.perf_counter() - tic
     print(
         f"cached {len(prompt)} prompt tokens in {seconds:.1f} s ({len(prompt) / seconds:.1f} "

@@ -109,13 +109,6 @@ REFUSED = {
     "-qa": "activation quantization (--quantize-activations) is not supported",
     "--eos-token": "a cached prompt has no end of sequence: give --extra-eos-token to "
     "generate or serve, which go on from the file",
-    "--prompt-concurrency": "serve prefills waiting prompts one at a time, each between two "
-    "cycles of the batch; --decode-concurrency sets how many requests decode together",
-    **dict.fromkeys(
-        ("--max-kv-size", "--kv-bits", "--kv-group-size", "--quantized-kv-start"),
-        "cache-prompt saves the whole prompt's cache, unquantized; give the cache flags to "
-        "generate or serve",
-    ),
 }
 
 

@@ -73,8 +73,16 @@ class Batch:
     for all) and its weights kept wired, as mlx-lm does while generating.
     """
 
-    def __init__(self, target: TargetAdapter, chain: BatchedChain | None = None):
+    def __init__(
+        self,
+        target: TargetAdapter,
+        chain: BatchedChain | None = None,
+        prompt_concurrency: int | None = None,
+    ):
         self.target, self.chain = target, chain
+        # how many joining replies a cycle prefills at most (None: all), so that a burst of
+        # new prompts delays the replies already decoding by a bounded time
+        self.prompt_concurrency = prompt_concurrency
         self.replies: list[Reply] = []
         self.joining: list[Reply] = []
         self.shared: Any = None  # the shared cycle launched, if any
@@ -143,7 +151,8 @@ class Batch:
         committed = self._settle_shared() if self.shared is not None else []
         own = [(reply,) for reply in self.replies if reply.pending is not None]
         committed += self._each(self._settle_own, own)
-        joining, self.joining = self.joining, []
+        admitted = self.prompt_concurrency or len(self.joining)
+        joining, self.joining = self.joining[:admitted], self.joining[admitted:]
         self.replies += joining
         committed += self._each(self._prefill, [(reply,) for reply in joining])
         now = time.perf_counter()
@@ -263,12 +272,15 @@ class Batch:
         return batchable(reply.seq.cache) and free
 
 
-def make_batch(model: nn.Module, draft: DFlashDraft | None) -> Batch:
+def make_batch(
+    model: nn.Module, draft: DFlashDraft | None, prompt_concurrency: int | None = None
+) -> Batch:
     """An empty batch for `stream_generate(..., batch=)` with this target and drafter: replies
-    of it share their cycles, their drafts per cycle chosen by measured cost."""
+    of it share their cycles, their drafts per cycle chosen by measured cost; a cycle prefills
+    at most `prompt_concurrency` new replies (None: every one waiting)."""
     target = TargetAdapter(model)
     block_size = draft.config.block_size if draft is not None else 1
-    return Batch(target, BatchedChain(target, BatchedBlock(block_size)))
+    return Batch(target, BatchedChain(target, BatchedBlock(block_size)), prompt_concurrency)
 
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:

@@ -191,12 +191,16 @@ class QuantizingKVCache(KVCache):
         start = self.quantization[2]
         return None if self.quantized or self.offset >= start else start - self.offset
 
+    def quantize(self) -> None:
+        """Switch to quantized keys and values, in place."""
+        group_size, bits, _ = self.quantization
+        quantized = self.to_quantized(group_size=group_size, bits=bits)
+        self.keys, self.values = quantized.keys, quantized.values
+        self.group_size, self.bits = group_size, bits
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        group_size, bits, start = self.quantization
-        if not self.quantized and self.offset >= max(start, 1):
-            quantized = self.to_quantized(group_size=group_size, bits=bits)
-            self.keys, self.values = quantized.keys, quantized.values
-            self.group_size, self.bits = group_size, bits
+        if not self.quantized and self.offset >= max(self.quantization[2], 1):
+            self.quantize()
         if self.quantized:
             return QuantizedKVCache.update_and_fetch(self, keys, values)
         return super().update_and_fetch(keys, values)

@@ -18,6 +18,7 @@ from .session import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_PROMPT_CACHE_BYTES,
     DEFAULT_PROMPT_CACHE_SIZE,
+    DEFAULT_PROMPT_CONCURRENCY,
     DEFAULT_REQUEST_TIMEOUT_S,
     add_cache_file_argument,
     add_model_arguments,
@@ -57,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BATCH,
         help="requests decoded together, one verify forward per cycle for all of them "
         f"(default {DEFAULT_MAX_BATCH}; 1: one at a time, as under mlx.launch)",
+    )
+    parser.add_argument(
+        "--prompt-concurrency",
+        type=int,
+        default=DEFAULT_PROMPT_CONCURRENCY,
+        help="new requests prefilled between two decoding cycles at most, so that a burst of "
+        f"prompts holds the requests already decoding back by a bounded time (default "
+        f"{DEFAULT_PROMPT_CONCURRENCY}, as mlx_lm.server's)",
     )
     parser.add_argument(
         "--max-queue",

@@ -25,7 +25,7 @@ from .checkpoint import load_draft
 from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .loading import DTYPES, KEEP_CHECKPOINT
-from .prompt_cache import PromptCache
+from .prompt_cache import CACHE_SETTINGS, PromptCache
 from .response import GenerationResponse
 from .sampling import RULES
 from .settings import GenerationSettings
@@ -34,6 +34,7 @@ from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 DEFAULT_MAX_BATCH = 8  # requests `serve` decodes together
+DEFAULT_PROMPT_CONCURRENCY = 8  # new requests `serve` prefills between two cycles, as mlx-lm
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a request body `serve` reads at most
 DEFAULT_MAX_CONNECTIONS = 64  # connections `serve` keeps open
 DEFAULT_REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send a whole request to `serve`
@@ -115,6 +116,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "(the clock may size cycles), speculative sampling, or matches of independent samples",
     )
     add_kv_cache_arguments(parser)
+    add_prefill_step_argument(parser)
     penalties = parser.add_argument_group(
         "logits processors (mlx-lm's make_logits_processors; the output stays lossless)"
     )
@@ -162,7 +164,7 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """The target's cache and prefill, with mlx_lm.generate's flags and defaults."""
+    """The target's cache options, with mlx_lm.generate's flags and defaults."""
     parser.add_argument(
         "--max-kv-size",
         type=int,
@@ -183,6 +185,10 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_QUANTIZED_KV_START,
         help="with --kv-bits: quantize the cache once it holds this many positions",
     )
+
+
+def add_prefill_step_argument(parser: argparse.ArgumentParser) -> None:
+    """`--prefill-step-size`, with mlx_lm.generate's default."""
     parser.add_argument(
         "--prefill-step-size",
         type=int,
@@ -235,10 +241,16 @@ def add_cache_file_argument(parser: argparse.ArgumentParser) -> None:
 def load_cache_file(
     args: argparse.Namespace, model: nn.Module, draft: DFlashDraft | None
 ) -> PromptCache | None:
-    """The cache `--prompt-cache-file` names, checked against the loaded models, or None."""
+    """The cache `--prompt-cache-file` names, checked against the loaded models and the
+    cache flags (the file's options are used: those flags set must be its own), or None."""
     if args.prompt_cache_file is None:
         return None
-    return load_prompt_cache(args.prompt_cache_file, model, draft)
+    return load_prompt_cache(args.prompt_cache_file, model, draft, cache_options(args))
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The cache options the flags of `add_kv_cache_arguments` set."""
+    return {name: getattr(args, name) for name in CACHE_SETTINGS}
 
 
 def add_trust_remote_code_argument(parser: argparse.ArgumentParser) -> None:
@@ -378,24 +390,26 @@ def block_size(args: argparse.Namespace) -> int | None:
 
 def generation_settings(args: argparse.Namespace) -> GenerationSettings:
     """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag."""
+    return flagged_settings(
+        logits_processors=make_logits_processors(**processor_settings(args)),
+        block_size=block_size(args),
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        acceptance=args.acceptance,
+        adaptive=args.adaptive,
+        tree_budget=args.tree_budget,
+        prefill_step_size=args.prefill_step_size,
+        **cache_options(args),
+    )
+
+
+def flagged_settings(**fields: Any) -> GenerationSettings:
+    """`GenerationSettings(**fields)`, whose ValueError for a bad field names its flag."""
     try:
-        return GenerationSettings(
-            logits_processors=make_logits_processors(**processor_settings(args)),
-            block_size=block_size(args),
-            max_tokens=args.max_tokens,
-            temperature=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            acceptance=args.acceptance,
-            adaptive=args.adaptive,
-            tree_budget=args.tree_budget,
-            max_kv_size=args.max_kv_size,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            quantized_kv_start=args.quantized_kv_start,
-            prefill_step_size=args.prefill_step_size,
-        )
+        return GenerationSettings(**fields)
     except ValueError as exc:
         message = str(exc)
         field = next((f for f in SETTING_FLAGS if message.startswith(f"{f} ")), None)

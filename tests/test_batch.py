@@ -94,6 +94,22 @@ def test_replies_join_and_leave_between_cycles(loaded):
     assert left == truths[2][: len(left)]
 
 
+def test_a_cycle_prefills_at_most_prompt_concurrency_new_replies(loaded):
+    """A burst of new replies joins a cycle or two at a time (`--prompt-concurrency`), each
+    still its own greedy reply."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    tokenizer = no_eos(tokenizer)
+    batch = make_batch(model, draft, prompt_concurrency=2)
+    texts = prompts(5)
+    generators = {i: stream_generate(model, draft, tokenizer, p, max_tokens=12, batch=batch)
+                  for i, p in enumerate(texts)}  # fmt: skip
+    first = next(generators[0])  # the first cycle: two prefilled, three still waiting
+    assert len(first.tokens) == 1 and len(batch.replies) == 2 and len(batch.joining) == 3
+    tokens = interleave(generators)
+    tokens[0] = first.tokens + tokens[0]
+    assert tokens == {i: reference_greedy(model, p, 12, set()) for i, p in enumerate(texts)}
+
+
 def test_the_shipped_kind_of_drafter_and_plain_rows_share_cycles(loaded):
     """A real (random) drafter and replies without one, at EOS or the token limit."""
     model, tokenizer, draft = loaded("qwen3-tied-gqa")

@@ -1,30 +1,40 @@
 """Prompt caches saved to a file and loaded by a later run (`dflash-mlx cache-prompt`,
 `--prompt-cache-file`): the reply going on from one equals mlx-lm's greedy decoding of
-the whole prompt, for every kind of cache the targets use; a file made for another
-target or drafter, or altered in any field, is refused in one line; a killed
-`cache-prompt` leaves nothing behind after the next."""
+the whole prompt, for every kind of cache the targets use and with mlx-lm's cache options
+(the file's own); a file made for another target or drafter, or altered in any field, is
+refused in one line; a killed `cache-prompt` leaves nothing behind after the next."""
 
 import json
 import os
 import subprocess
 from functools import partial
+from itertools import takewhile
 
 import mlx.core as mx
 import pytest
 import test_families
+import test_kv_cache_options
 from helpers import reference_greedy
-from test_cli import decode_greedy, dflash
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+from test_cli import decode_greedy, detokenized, dflash
 from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
 from tqdm import tqdm
 
 from dflash_mlx import cache_prompt, make_prompt_cache
-from dflash_mlx.cache_file import PromptCacheError, load_prompt_cache, save_prompt_cache
+from dflash_mlx.cache_file import (
+    DEFAULT_OPTIONS,
+    PromptCacheError,
+    load_prompt_cache,
+    save_prompt_cache,
+)
 from dflash_mlx.cache_prompt import prefill
 from dflash_mlx.chat_format import QUERY
 from dflash_mlx.checkpoint import init_draft
 
 family, tokenizer = test_families.family, test_families.tokenizer  # its fixtures, shared
+models = test_kv_cache_options.models  # loaded models of head_dim 32
 
 
 def cached(model, draft, tokens_of, prompt, path):
@@ -49,6 +59,71 @@ def test_a_reply_from_a_loaded_cache_equals_mlx_lm(family, tokenizer, name, tmp_
     assert tokens == reference_greedy(model, prompt, 40, set())
 
 
+def mlx_lm_continued(model, cached: list[int], rest: list[int], max_tokens: int, **options):
+    """mlx-lm's greedy tokens for `rest` after `cached`, as `mlx_lm.cache_prompt` and then
+    `mlx_lm.generate --prompt-cache-file` run them, with the cache `options`."""
+    quantization = {k: v for k, v in options.items() if k != "max_kv_size"}
+    cache = mlx_lm_make_prompt_cache(model, options.get("max_kv_size"))
+    for _ in generate_step(
+        mx.array(cached), model, max_tokens=0, prompt_cache=cache, **quantization
+    ):
+        pass
+    steps = generate_step(
+        mx.array(rest), model, max_tokens=max_tokens, prompt_cache=cache, **quantization
+    )
+    return [int(token) for token, _ in steps]
+
+
+QUANTIZED = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=12)  # inside the document
+CACHE_OPTIONS = {"kv_bits": QUANTIZED, "max_kv_size": dict(max_kv_size=20)}
+
+
+@pytest.mark.parametrize("options", list(CACHE_OPTIONS.values()), ids=list(CACHE_OPTIONS))
+def test_a_cache_made_with_cache_options_goes_on_with_them_as_mlx_lm(models, options, tmp_path):
+    model, tokenizer, draft = models("qwen3")  # head_dim 32: keys quantize in groups of 32
+    document, question = prompt_of(40, seed=5), prompt_of(6, seed=6)
+    path = tmp_path / "doc.safetensors"
+    save_prompt_cache(
+        path, prefill(model, tokenizer, draft, document, options), model, draft, options
+    )
+    assert json.loads(mx.load(str(path), return_metadata=True)[1]["options"]) == {
+        **DEFAULT_OPTIONS,
+        **options,
+    }
+    cache = load_prompt_cache(path, model, draft)  # with the file's options, none given
+    prompt = document + question
+    assert cache.reuse(prompt) == len(document)
+    tokens, _ = run(model, draft, tokenizer, prompt, max_tokens=40, prompt_cache=cache)
+    assert tokens == mlx_lm_continued(model, document, question, 40, **options)
+
+
+def test_a_quantized_file_is_refused_with_other_bits_or_other_options_asked(models, tmp_path):
+    model, tokenizer, draft = models("qwen3")
+    path = tmp_path / "doc.safetensors"
+    save_prompt_cache(
+        path, prefill(model, tokenizer, draft, DOCUMENT, QUANTIZED), model, draft, QUANTIZED
+    )
+    assert all(c.quantized for c in load_prompt_cache(path, model, draft, QUANTIZED).target)
+    with pytest.raises(PromptCacheError) as refused:
+        load_prompt_cache(path, model, draft, {**QUANTIZED, "kv_bits": 8})
+    assert str(refused.value) == (
+        f"{path} was made with kv_bits=4, not 8: leave out --kv-bits (the file's cache options "
+        "are used), or make the file with it"
+    )
+    set_bits = partial(set_field, name="bits", tag=["value", 8])
+    altered(path, path, lambda a, m, lay: set_bits(lay))
+    with pytest.raises(PromptCacheError, match="target.0.bits is 8 where this model's is 4"):
+        load_prompt_cache(path, model, draft)
+
+
+def test_a_file_written_before_files_recorded_cache_options_loads(document_cache, tmp_path):
+    model, draft, path = document_cache
+    assert json.loads(mx.load(str(path), return_metadata=True)[1]["options"]) == DEFAULT_OPTIONS
+    old = tmp_path / "old.safetensors"
+    altered(path, old, lambda a, m, lay: m.pop("options"))
+    assert load_prompt_cache(old, model, draft).tokens == DOCUMENT
+
+
 def test_a_cache_for_other_weights_is_refused_in_one_line(family, tokenizer, tmp_path):
     model, draft, _ = family("llama")
     path = tmp_path / "doc.safetensors"
@@ -68,22 +143,12 @@ def test_a_cache_for_other_weights_is_refused_in_one_line(family, tokenizer, tmp
         load_prompt_cache(tmp_path / "notes.txt", model, draft)
 
 
-def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path):
-    target, draft = make_pair("llama-tied-gqa")
-    _, wrapper, _ = loaded("llama-tied-gqa")
-    path = tmp_path / "doc.safetensors"
-    document, question = "Alice has 3 apples and Bob has 5 pears.", " How many fruits?"
-    made = dflash(
-        f"cache-prompt --model {target} --draft {draft} --prompt-cache-file {path}", document
-    )
-    assert made.returncode == 0 and path.exists(), made.stderr
-    assert "cached" in made.stderr.splitlines()[-1]
-    out = dflash(
-        f"generate --model {target} --draft {draft} --prompt-cache-file {path} --json -m 16",
-        question,
-    )
-    assert out.returncode == 0, out.stderr
-    # mlx_lm.cache_prompt's open user message, then mlx_lm.generate's suffix after <query>
+TEXT_DOCUMENT, TEXT_QUESTION = "Alice has 3 apples and Bob has 5 pears.", " How many fruits?"
+
+
+def continued_ids(wrapper, document: str, question: str) -> tuple[list[int], list[int]]:
+    """mlx_lm.cache_prompt's ids of `document` (an open user message), and mlx_lm.generate's
+    of `question` going on from them (the suffix after <query>)."""
     user = [{"role": "user", "content": document}]
     ids = wrapper.apply_chat_template(
         user, add_generation_prompt=False, continue_final_message=True
@@ -92,14 +157,68 @@ def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path)
         [{"role": "user", "content": QUERY}], add_generation_prompt=True, tokenize=False
     )
     suffix = question + marked[marked.index(QUERY) + len(QUERY) :]
-    ids += wrapper.encode(suffix, add_special_tokens=False)
-    expected, _ = decode_greedy(loaded("llama-tied-gqa")[0], wrapper, ids, 16)
+    return ids, wrapper.encode(suffix, add_special_tokens=False)
+
+
+def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    _, wrapper, _ = loaded("llama-tied-gqa")
+    path = tmp_path / "doc.safetensors"
+    made = dflash(
+        f"cache-prompt --model {target} --draft {draft} --prompt-cache-file {path}", TEXT_DOCUMENT
+    )
+    assert made.returncode == 0 and path.exists(), made.stderr
+    assert "cached" in made.stderr.splitlines()[-1]
+    out = dflash(
+        f"generate --model {target} --draft {draft} --prompt-cache-file {path} --json -m 16",
+        TEXT_QUESTION,
+    )
+    assert out.returncode == 0, out.stderr
+    cached_ids, rest = continued_ids(wrapper, TEXT_DOCUMENT, TEXT_QUESTION)
+    expected, _ = decode_greedy(loaded("llama-tied-gqa")[0], wrapper, cached_ids + rest, 16)
     assert json.loads(out.stdout)["text"] == expected
     other, _ = make_pair("qwen3-tied-gqa")
-    refused = dflash(f"generate --model {other} --no-draft --prompt-cache-file {path}", question)
+    refused = dflash(
+        f"generate --model {other} --no-draft --prompt-cache-file {path}", TEXT_QUESTION
+    )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1] == (
         f"dflash-mlx generate: error: {path} was made for another target model (or another dtype)"
+    )
+
+
+KV_FLAGS = {  # mlx-lm's cache flags, and the options they set
+    "kv_bits": (
+        "--kv-bits 4 --kv-group-size 32 --quantized-kv-start 8",  # inside the document
+        dict(kv_bits=4, kv_group_size=32, quantized_kv_start=8),
+    ),
+    "max_kv_size": ("--max-kv-size 12", dict(max_kv_size=12)),
+}
+
+
+@pytest.mark.parametrize("case", list(KV_FLAGS))
+def test_cache_prompt_takes_the_kv_cache_flags_and_generate_goes_on_with_them(
+    make_pair, loaded, tmp_path, case
+):
+    flags, options = KV_FLAGS[case]
+    target, draft = make_pair("qwen3-untied-mha")  # head_dim 32: keys quantize in groups of 32
+    model, wrapper, _ = loaded("qwen3-untied-mha")
+    path = tmp_path / "doc.safetensors"
+    cache_file = f"--model {target} --draft {draft} --prompt-cache-file {path}"
+    made = dflash(f"cache-prompt {cache_file} {flags}", TEXT_DOCUMENT)
+    assert made.returncode == 0, made.stderr
+    out = dflash(f"generate {cache_file} --json -m 16", TEXT_QUESTION)  # the file's options
+    assert out.returncode == 0, out.stderr
+    cached_ids, rest = continued_ids(wrapper, TEXT_DOCUMENT, TEXT_QUESTION)
+    assert len(cached_ids) > 12  # quantized, or past the window, before the question
+    tokens = mlx_lm_continued(model, cached_ids, rest, 16, **options)
+    reply = list(takewhile(lambda t: t not in wrapper.eos_token_ids, tokens))
+    assert json.loads(out.stdout)["text"] == detokenized(wrapper, reply)
+    refused = dflash(f"generate {cache_file} --kv-bits 8 -m 4", TEXT_QUESTION)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"dflash-mlx generate: error: {path} was made with kv_bits={options.get('kv_bits')}, "
+        "not 8: leave out --kv-bits (the file's cache options are used), or make the file with it"
     )
 
 
@@ -122,6 +241,10 @@ def altered(source, dest, change) -> None:
 
 def set_tokens(metadata: dict, tokens) -> None:
     metadata["tokens"] = json.dumps(tokens)
+
+
+def set_option(metadata: dict, name: str, value) -> None:
+    metadata["options"] = json.dumps({**json.loads(metadata["options"]), name: value})
 
 
 def set_field(layout: list, name: str, tag: list) -> None:
@@ -190,6 +313,19 @@ ALTERED = {
         "the field target.0.keys is recorded as ['array', 'of floats']",
     ),
     "no keys": (lambda a, m, lay: lay[2]["fields"].pop("keys"), "target.2 has no 'keys'"),
+    "kv_bits 7": (
+        lambda a, m, lay: set_option(m, "kv_bits", 7),
+        "its cache options: kv_bits must be one of (2, 3, 4, 5, 6, 8) (or None), got 7",
+    ),
+    "a group size in words": (
+        lambda a, m, lay: set_option(m, "kv_group_size", "x"),
+        "its cache options: kv_group_size must be one of (32, 64, 128), got 'x'",
+    ),
+    "an unknown option": (
+        lambda a, m, lay: set_option(m, "window", 8),
+        "its 'options' field does not name the options ('max_kv_size', 'kv_bits',",
+    ),
+    "options not JSON": (lambda a, m, lay: m.update(options="{"), "'options' field is not JSON"),
 }
 
 

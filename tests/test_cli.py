@@ -45,13 +45,19 @@ def decode_greedy(
     eos = set(tokenizer.eos_token_ids)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     tokens, _ = mlx_lm_greedy(model, ids, max_tokens, eos, **settings)
+    return detokenized(tokenizer, tokens), len(tokens)
+
+
+def detokenized(tokenizer, tokens: list[int]) -> str:
+    """The text of `tokens` but its EOS tokens, as generate streams it."""
+    eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     for t in tokens:
         if t not in eos:
             detokenizer.add_token(t)
     detokenizer.finalize()
-    return detokenizer.text, len(tokens)
+    return detokenizer.text
 
 
 def dflash(command: str, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:

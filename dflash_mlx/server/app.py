@@ -90,6 +90,7 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag, least in (
         ("max_queue", 0),
         ("max_batch", 1),
+        ("prompt_concurrency", 1),
         ("max_body_bytes", 1),
         ("max_connections", 1),
         ("prompt_cache_size", 1),
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> None:
         Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
         (args.prompt_cache_size, args.prompt_cache_bytes),
         args.max_batch,
+        args.prompt_concurrency,
     )
     if cached is not None:  # requests that start with the cached prompt go on from it
         worker.caches.put(cached)

@@ -82,13 +82,15 @@ class Worker:
         lockstep: Lockstep | None = None,
         prompt_caches: tuple[int, int] = (DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_PROMPT_CACHE_BYTES),
         max_batch: int = DEFAULT_MAX_BATCH,
+        prompt_concurrency: int | None = None,
     ):
         """`defaults`: the flags' generation settings, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own;
         `lockstep` the ranks that run every job under `mlx.launch` (one job at a time
         there: every rank must run the same forwards, and ranks do not agree on when a
         request joins a batch); `prompt_caches` how many conversations' caches to keep,
-        and in how many bytes at most; `max_batch` how many requests decode together."""
+        and in how many bytes at most; `max_batch` how many requests decode together,
+        `prompt_concurrency` how many new ones a cycle prefills at most."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         self.template_kwargs = template_kwargs or {}
         self.processor_settings = processor_settings or {}
@@ -103,7 +105,7 @@ class Worker:
         self.max_queue = max_queue
         self.lockstep = lockstep or Lockstep(None, 0, "serve")
         self.max_batch = max_batch if self.lockstep.group is None else 1
-        self.batch = make_batch(model, draft)
+        self.batch = make_batch(model, draft, prompt_concurrency)
         self.waiting: deque[tuple[Job, threading.Event, Callable]] = deque()
         self.scheduling = False  # whether the worker thread runs `_schedule`
         self.closing = False  # the server is shutting down: every generation stops
