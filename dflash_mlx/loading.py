@@ -8,11 +8,20 @@ neither imports the other for them.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
+
+logger = logging.getLogger(__name__)
+# The CPU default (float32) keeps a checkpoint's quantization where dequantized weights would
+# take more than this share of the machine's memory (benchmarks/README.md, "CPU: float32 or
+# kept quantized").
+FLOAT32_MEMORY_SHARE = 0.5
 
 
 def resolve_path(path_or_repo: str | Path, what: str, patterns: list[str]) -> Path:
@@ -102,6 +111,39 @@ def load_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
             )
         return DTYPES[dtype]
     return dtype
+
+
+def float32_bytes(model: nn.Module) -> int:
+    """What the model's weights would take dequantized to float32."""
+    count = sum(p.size for _, p in tree_flatten(model.parameters()))
+    for module in model.modules():
+        if isinstance(getattr(module, "bits", None), int) and "scales" in module:
+            packed, biases = module.weight.size, module.get("biases")
+            count += packed * 32 // module.bits - packed - module.scales.size
+            count -= 0 if biases is None else biases.size
+    return 4 * count
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_cast(model: nn.Module, dtype: mx.Dtype | None) -> mx.Dtype | None:
+    """`dtype` for a model loaded without one, unless that is float32 and its dequantized
+    weights would take over `FLOAT32_MEMORY_SHARE` of the machine's memory: then None, the
+    checkpoint's dtype and quantization kept (slower on a CPU, but it fits), said once."""
+    if dtype != mx.float32:
+        return dtype
+    needed, memory = float32_bytes(model), physical_memory()
+    if needed <= FLOAT32_MEMORY_SHARE * memory:
+        return dtype
+    logger.warning(
+        f"the target would take {needed / 2**30:.1f} GB in float32, over half of this "
+        f"machine's {memory / 2**30:.1f} GB: its checkpoint's dtype and quantization are kept "
+        "(dtype='float32' or --dtype float32 dequantizes it anyway)"
+    )
+    return None
 
 
 def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:

@@ -38,7 +38,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from . import backends, few_rows_quantized, hooks, rows
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
-from .loading import cast_model, load_dtype, read_config, resolve_path
+from .loading import cast_model, default_cast, load_dtype, read_config, resolve_path
 from .rollback import (
     CacheGroup,
     ChunkCache,
@@ -86,7 +86,8 @@ def load(
     `load_adapters`, as `mlx_lm.load(..., adapter_path=)` does.
 
     `dtype` defaults to float32 on the CPU (quantized weights are dequantized:
-    quantized and bf16 matmuls are not BLAS-accelerated there) and to the
+    quantized and bf16 matmuls are not BLAS-accelerated there), unless the dequantized
+    weights would take over half of the machine's memory (then as `"checkpoint"`), and to the
     checkpoint's dtype on a GPU (Metal or CUDA); `dtype="checkpoint"` keeps the
     checkpoint's dtype and quantization anywhere. Extra keyword arguments go to `mlx_lm.load`.
     `tensor_group` (as in mlx-lm's `sharded_load`) shards the target over the
@@ -133,7 +134,7 @@ def load(
         ) from exc
     if adapter_path is not None:
         apply_adapters(model, Path(adapter_path).expanduser())
-    cast_model(model, cast_to)
+    cast_model(model, default_cast(model, cast_to) if dtype is None else cast_to)
     if sharded:
         (shard if tensor_group is not None else pipeline)(model, group)
     mx.eval(model.parameters())

@@ -15,7 +15,7 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
 
 import dflash_mlx
-from dflash_mlx import blas, stream_generate
+from dflash_mlx import blas, loading, stream_generate
 from dflash_mlx.loading import default_dtype, dtype_for_device
 from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
 
@@ -74,6 +74,27 @@ def test_float32_by_default_on_cpu_even_from_bf16_and_quantized(bf16_target, q4_
     assert {p.dtype for _, p in tree_flatten(dequantized.parameters())} == {mx.float32}
     tokens = mx.array([[5, 9, 33]])
     assert mx.allclose(dequantized(tokens), model_q(tokens), atol=1e-4)
+
+
+@cpu_default
+def test_a_target_too_big_for_memory_in_float32_stays_quantized(q4_target, monkeypatch, caplog):
+    """The CPU default dequantizes to float32 only where that fits in half the memory: a
+    bigger target keeps its quantization (slower, but it loads), and says so."""
+    q_dir, model_q = q4_target
+    float32 = loading.float32_bytes(model_q)
+    assert float32 == 4 * sum(
+        p.size for _, p in tree_flatten(dflash_mlx.load(q_dir)[0].parameters())
+    )
+    monkeypatch.setattr(loading, "physical_memory", lambda: 2 * float32 - 1)
+    kept, _ = dflash_mlx.load(q_dir)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.named_modules())
+    assert "its checkpoint's dtype and quantization are kept" in caplog.text
+    forced, _ = dflash_mlx.load(q_dir, dtype="float32")  # asked for: dequantized anyway
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in forced.named_modules())
+    monkeypatch.setattr(loading, "physical_memory", lambda: 2 * float32)
+    assert not any(
+        isinstance(m, nn.QuantizedLinear) for _, m in dflash_mlx.load(q_dir)[0].named_modules()
+    )
 
 
 @pytest.mark.cuda
