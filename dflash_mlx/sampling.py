@@ -325,6 +325,12 @@ class Verifier:
         """Whether sampled tokens are coupled by position (the "coupled" rule)."""
         return self.rule == "coupled" and self.transform is not None
 
+    @property
+    def chooses_per_row(self) -> bool:
+        """Whether the target's choices are made one row at a time, as a verdict reads them
+        (`row_by_row`, coupled, on the CPU): a cycle then pays for the rows it accepts + 1."""
+        return self.row_by_row and self.coupled and mx.default_device() == mx.cpu
+
     def for_reply(self) -> Verifier:
         """The verifier one reply uses: itself, or under the coupled rule a copy with the
         reply's own noise seed, drawn from this stream (or MLX's global state) as the reply
@@ -484,7 +490,7 @@ class Verifier:
             )
             token = mx.where(accepted < drafts.size, residual, bonus)
             return Verdict(matches, accepted, token, target_logits)
-        if self.row_by_row and self.coupled and drafts.size and mx.default_device() == mx.cpu:
+        if self.chooses_per_row and drafts.size:
             return self._verify_rows(drafts, target_logits)
         positions = list(range(self.position, self.position + target_logits.shape[0]))
         choices, _ = self._choose(target_logits, positions)

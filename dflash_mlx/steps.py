@@ -252,10 +252,12 @@ class TreeStep:
         # The target's own choice at every node: its argmax, its coupled choice at the node's
         # position, or its sample (a node is then accepted when the target's sample at its
         # parent is the node's token: every committed token is the target's own sample, so
-        # the output is exact in distribution). Logits processors see each node's own path:
-        # its choice is made during the walk.
+        # the output is exact in distribution). Logits processors see each node's own path,
+        # and a verifier that chooses per row pays for the path's nodes alone: their choices
+        # are made during the walk.
         positions = [position + depth for depth in tree.depths]
-        choices = None if verifier.processors else verifier.choices(logits, positions)
+        during_walk = verifier.processors or verifier.chooses_per_row
+        choices = None if during_walk else verifier.choices(logits, positions)
         mx.async_eval(logits if choices is None else choices)
         return PendingTree(tree, start, logits, choices, depth > 0)
 
