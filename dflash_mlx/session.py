@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .cache_file import load_prompt_cache
 from .checkpoint import load_draft
-from .distributed import DEFAULT_RANK_TIMEOUT, shared_seed, world_group
+from .distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .draft import KERNEL_BACKENDS, DFlashDraft
 from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import CACHE_SETTINGS, PromptCache
@@ -351,8 +351,9 @@ SETTING_FLAGS = {
 
 
 def say(args: argparse.Namespace, message: str) -> None:
-    """A line on stderr about what a wait is for, unless `--verbose False` asked for quiet."""
-    if getattr(args, "verbose", True):
+    """A line on stderr about what a wait is for, unless `--verbose False` asked for quiet;
+    under `mlx.launch` from rank 0 alone."""
+    if getattr(args, "verbose", True) and is_rank0(world_group()):
         print(message, file=sys.stderr, flush=True)
 
 
