@@ -15,6 +15,8 @@ positions grow, down to one position per row (plain batched decoding).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -56,6 +58,17 @@ class Mark:
         del seq.tokens[self.tokens :]
 
 
+@contextmanager
+def put_back_on_failure(replies: list[Reply], marks: list[Mark]) -> Iterator[None]:
+    """Re-raise a failure with every reply back where its mark says it stood."""
+    try:
+        yield
+    except Exception:
+        for reply, mark in zip(replies, marks):
+            mark.put_back(reply.seq)
+        raise
+
+
 def cycle_caches(seq: Sequence) -> list:
     """Every cache a shared cycle writes to: the target's and the drafter's."""
     return seq.cache + seq.prompt_cache.draft
@@ -85,12 +98,8 @@ class BatchedChain:
         rows (fewer for a reply near its end or capped lower), one verify forward. A failure
         is raised with every reply back where it stood (`Mark`)."""
         marks = [Mark.of(reply.seq) for reply, _ in roots]
-        try:
+        with put_back_on_failure([reply for reply, _ in roots], marks):
             return self._launch(roots, sink, marks)
-        except Exception:
-            for (reply, _), mark in zip(roots, marks):
-                mark.put_back(reply.seq)
-            raise
 
     def _launch(
         self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array], marks: list[Mark]
@@ -142,12 +151,8 @@ class BatchedChain:
     def settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
         """Read every row's verdict at once and commit each reply's accepted prefix. A
         failure is raised with every reply back where it stood before the cycle (`Mark`)."""
-        try:
+        with put_back_on_failure(cycle.replies, cycle.marks):
             return self._settle(cycle)
-        except Exception:
-            for reply, mark in zip(cycle.replies, cycle.marks):
-                mark.put_back(reply.seq)
-            raise
 
     def _settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
         parts = [

@@ -48,7 +48,11 @@ from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import PromptCache, make_prompt_cache
 from .response import GenerationResponse
 from .sampling import RULES
-from .session import add_rank_timeout_argument, add_trust_remote_code_argument
+from .session import (
+    add_draft_window_argument,
+    add_rank_timeout_argument,
+    add_trust_remote_code_argument,
+)
 from .settings import GenerationSettings
 from .swaps import swapped
 from .target import load
@@ -571,12 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="verify trees of up to N draft tokens (default: chains, or by cost)",
     )
-    parser.add_argument(
-        "--draft-window",
-        type=int,
-        help="drafter attends to the last N context positions only (default: the drafter's "
-        "own, where its config sets one; 0: the whole context)",
-    )
+    add_draft_window_argument(parser)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the sampling and of the random drafter"
     )

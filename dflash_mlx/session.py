@@ -85,12 +85,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument(
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
     )
-    parser.add_argument(
-        "--draft-window",
-        type=int,
-        help="drafter attends to the last N context positions only (default: the drafter's "
-        "own, where its config sets one; 0: the whole context)",
-    )
+    add_draft_window_argument(parser)
     parser.add_argument(
         "--max-tokens", "-m", type=int, default=max_tokens, help="most tokens to generate"
     )
@@ -141,6 +136,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "models with mlx-lm's pipeline(): qwen3_5, qwen3_next) instead of every layer's weights",
     )
     parser.set_defaults(chat_template_source=None)  # serve's --chat-template sets it
+
+
+def add_draft_window_argument(parser: argparse.ArgumentParser) -> None:
+    """`--draft-window`, for every command that loads a drafter."""
+    parser.add_argument(
+        "--draft-window",
+        type=int,
+        help="drafter attends to the last N context positions only (default: the drafter's "
+        "own, where its config sets one; 0: the whole context)",
+    )
 
 
 def add_draft_argument(parser: argparse.ArgumentParser) -> None:
