@@ -133,7 +133,7 @@ def default_cast(model: nn.Module, dtype: mx.Dtype | None) -> mx.Dtype | None:
     """`dtype` for a model loaded without one, unless that is float32 and its dequantized
     weights would take over `FLOAT32_MEMORY_SHARE` of the machine's memory: then None, the
     checkpoint's dtype and quantization kept (slower on a CPU, but it fits), said once."""
-    if dtype != mx.float32:
+    if dtype is None or dtype != mx.float32:  # MLX's Dtype compares with dtypes alone
         return dtype
     needed, memory = float32_bytes(model), physical_memory()
     if needed <= FLOAT32_MEMORY_SHARE * memory:

@@ -97,6 +97,16 @@ def test_a_target_too_big_for_memory_in_float32_stays_quantized(q4_target, monke
     )
 
 
+def test_the_gpu_default_loads_on_any_device(q4_target, monkeypatch):
+    """Where the device's default keeps the checkpoint's dtype (None, a GPU's), `load` keeps
+    its quantization: the memory rule for float32 is not asked (a comparison of None with
+    MLX's float32 is a TypeError)."""
+    q_dir, _ = q4_target
+    monkeypatch.setattr(loading, "default_dtype", lambda: None)
+    kept, _ = dflash_mlx.load(q_dir)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.named_modules())
+
+
 @pytest.mark.cuda
 def test_bf16_and_quantization_are_kept_on_a_cuda_gpu(bf16_target, q4_target):
     model, _ = dflash_mlx.load(bf16_target)
