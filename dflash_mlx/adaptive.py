@@ -1,8 +1,8 @@
 """Choosing each cycle's block size (`AdaptiveBlock`), tree size (`AdaptiveTree`), or
 either, chain or tree (`AdaptiveStrategy`, the library's default), by measured cost.
 
-Both are size policies with one protocol: `plan()` before a cycle says how many
-draft tokens it may propose (0: a plain step), `record(Cycle)` after it says what
+Each is a policy (`plan.py`): `plan()` before a cycle says what it verifies (a `Plan`:
+so many draft tokens, as a chain or a tree; 0: a plain step), `record(Cycle)` after it says what
 it verified, accepted and cost. A tree policy also `fit`s each drafted tree to the
 nodes worth verifying, from the drafter's confidence in them.
 
@@ -47,6 +47,15 @@ never changes the output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next cycle: `drafts` draft tokens (0: a plain step), as a chain or as a tree of up
+    to that many nodes."""
+
+    drafts: int
+    tree: bool = False
 
 
 @dataclass
@@ -171,9 +180,9 @@ class AdaptiveBlock:
         """What it was made for: ("block size", n)."""
         return "block size", self.block_size
 
-    def plan(self) -> int:
-        """Draft tokens the next cycle proposes (0: a plain step)."""
-        return self.next_block_size() - 1
+    def plan(self) -> Plan:
+        """The next cycle's chain: its draft tokens (0: a plain step)."""
+        return Plan(self.next_block_size() - 1)
 
     def next_block_size(self) -> int:
         if not self.seconds:
@@ -205,52 +214,6 @@ class AdaptiveBlock:
         for k in range(min(committed, block_size - 1)):  # drafts reached: accepted ones + 1
             self.tried[k] += 1
             self.accepted[k] += k < committed - 1
-
-
-@dataclass
-class BatchedBlock:
-    """The drafts of the cycles several replies share (`batched.py`), by measured cost.
-
-    Every row of a shared cycle of block size n commits E(n) tokens on average, with the
-    acceptance rates pooled over all rows' chains (one drafter, one target), and the
-    cycle costs c(rows, n): a forward over rows x n positions, plus a drafter forward per
-    row when n > 1. For each number of rows an `AdaptiveBlock` measures c and picks the n
-    that maximises E(n) / c(rows, n), probing its neighbours now and then as it does for
-    one reply; n = 1 is plain batched decoding, measured like any other size, so the
-    batch drafts only while drafting pays for its extra positions.
-    """
-
-    block_size: int
-    pooled: AdaptiveBlock = field(init=False)
-    by_rows: dict[int, AdaptiveBlock] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.pooled = AdaptiveBlock(self.block_size, fixed_costs={1: 1.0})  # its counts only
-
-    def _policy(self, rows: int) -> AdaptiveBlock:
-        """The policy for `rows` rows; a new one starts from the costs measured at the
-        nearest number of rows (its own measurements then take over), so that it does not
-        open with a whole block for every row."""
-        if rows not in self.by_rows:
-            policy = AdaptiveBlock(self.block_size, pooled=self.pooled)
-            if self.by_rows:
-                nearest = min(self.by_rows, key=lambda known: abs(known - rows))
-                policy.seconds = dict(self.by_rows[nearest].seconds)
-            self.by_rows[rows] = policy
-        return self.by_rows[rows]
-
-    def plan(self, rows: int) -> int:
-        """Draft tokens each row of the next shared cycle of `rows` rows proposes."""
-        return self._policy(rows).plan()
-
-    def record(
-        self, rows: int, positions: int, tried: list[tuple[int, int]], seconds: float
-    ) -> None:
-        """A shared cycle of `rows` rows verifying `positions` each took `seconds`; `tried`:
-        each row's drafts proposed and accepted."""
-        for proposed, accepted in tried:
-            self.pooled.record(Cycle(proposed, accepted, 0.0))
-        self._policy(rows).record(Cycle(positions - 1, 0, seconds))
 
 
 @dataclass
@@ -299,9 +262,9 @@ class AdaptiveTree:
         """What it was made for: ("tree budget", n)."""
         return "tree budget", self.max_budget
 
-    def plan(self) -> int:
-        """Draft tokens the next cycle may propose: the largest tree, or 0 (a plain step)."""
-        return self.max_budget if self.draft_next() else 0
+    def plan(self) -> Plan:
+        """The next cycle's tree: up to the largest, or the root alone (a plain step)."""
+        return Plan(self.max_budget if self.draft_next() else 0, True)
 
     def fit(self, probabilities: list[float]) -> int:
         """How many of a drafted tree's nodes (path probabilities, best first) to verify."""
@@ -348,15 +311,6 @@ class AdaptiveTree:
             self.accepted = self.decay * self.accepted + cycle.accepted
             self.predicted = self.decay * self.predicted + sum(probabilities)
         running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The next cycle: `drafts` draft tokens (0: a plain step), as a chain or as a tree of up
-    to that many nodes."""
-
-    drafts: int
-    tree: bool = False
 
 
 # A tree cycle's cost by verified positions (budget + 1), relative to a plain step, for sampled
@@ -491,9 +445,13 @@ class AdaptiveStrategy:
         """A planned tree is verified whole."""
         return len(probabilities)
 
-    def drop_trees(self) -> None:
-        """Plan chains only from now on (the target refused a tree forward)."""
+    def drop_trees(self) -> bool:
+        """Plan chains only from now on, where the target refused a tree forward before any
+        verified (else whatever failed was not the refusal: False)."""
+        if self.trees_measured:
+            return False
         self.tree_budget = 0
+        return True
 
     def record(self, cycle: Cycle) -> None:
         """One finished cycle: a chain, or a tree (with its accepted path)."""

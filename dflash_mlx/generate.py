@@ -22,14 +22,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .chat_format import encode_prompt
-from .distributed import world_group
+from .cycle import Reply, Sequence
 from .draft import DFlashDraft
 from .loop import Batch, replies
+from .plan import make_policy, plain_reason, settings_unset, strategy_note
 from .prompt_cache import PromptCache, make_prompt_cache
 from .proposers import DrafterProposer, LookupProposer, Proposer
 from .response import Drafting, GenerationResponse
 from .settings import GenerationSettings
-from .steps import ChainStep, Reply, Sequence, Step, SwitchStep, TreeStep
 from .target import TargetAdapter
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
@@ -153,13 +153,13 @@ def stream_generate(
     if (settings.tree_budget or mixed) and settings.prompt_lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     seq = Sequence(target, prompt_cache, proposer, verifier)
-    step = make_step(seq, settings, draft, block_policy, mixed)
+    policy, depth = make_policy(settings, draft, target, prompt_cache, block_policy, mixed)
     max_drafts = settings.block_size - 1 if settings.block_size else None
     eos = set(tokenizer.eos_token_ids)
-    reply = Reply(seq, step, prompt_ids, max_tokens, eos, max_drafts)
+    reply = Reply(seq, policy, prompt_ids, max_tokens, eos, depth, max_drafts)
     reply.prefill_step_size = settings.prefill_step_size
     reply.prompt_progress = prompt_progress_callback
-    commits = replies(batch or Batch(target), reply)
+    commits = replies(batch or Batch(target, draft), reply)
     drafting = Drafting(reason=plain_reason(settings, draft), note=note)
     return stream(commits, tokenizer, len(prompt_ids), drafting)
 
@@ -178,120 +178,6 @@ def check_argument_order(draft: Any, tokenizer: Any, prompt: Any) -> None:
             f"no {missing} given: stream_generate(model, draft, tokenizer, prompt) "
             "(draft=None for plain decoding)"
         )
-
-
-def settings_unset(
-    settings: GenerationSettings,
-    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None,
-) -> bool:
-    """Whether the reply runs the library's default (nothing of its strategy set)."""
-    unset = settings.block_size is None and not settings.tree_budget and block_policy is None
-    return unset and settings.adaptive is None
-
-
-def plain_reason(settings: GenerationSettings, draft: DFlashDraft | None) -> str:
-    """Why a cycle of this reply would verify no draft."""
-    if draft is None:
-        return "no drafter"
-    if settings.block_size == 1:
-        return "block size 1 asked for"
-    return "drafting did not pay here (measured cycle costs and acceptance)"
-
-
-def strategy_note(
-    draft: DFlashDraft | None, target: TargetAdapter, prompt_cache: PromptCache
-) -> str | None:
-    """Why the default runs adaptive chains instead of choosing chains or trees, in words
-    (None: no drafter, or nothing kept it from trees)."""
-    if draft is None:
-        return None
-    if draft.config.block_size < 2:
-        return "the drafter's block holds no draft"
-    if world_group() is not None:
-        return "sharded (mlx.launch): adaptive chains, no trees"
-    try:
-        target.check_tree(prompt_cache.target)
-    except ValueError as exc:
-        return f"chains only: {exc}"
-    return None
-
-
-def make_step(
-    seq: Sequence,
-    settings: GenerationSettings,
-    draft: DFlashDraft | None,
-    block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None,
-    mixed: bool = False,
-) -> Step:
-    """The step `settings` ask for, with its size policy when adapting (`block_policy` if
-    given, else the prompt cache's, else a new one), or a one-line ValueError; with `mixed`
-    (the default where nothing keeps it from trees), chains or trees each cycle."""
-    tree_budget, block_size = settings.tree_budget, settings.block_size
-    if mixed:
-        return switch_step(seq, settings, draft, block_policy)
-    if draft is None and block_size not in (None, 1):
-        raise ValueError(f"block_size {block_size} needs a drafter (without one it is 1)")
-    if tree_budget and draft is None and not settings.prompt_lookup:
-        raise ValueError("tree verification needs a drafter or the prompt lookup")
-    adaptive = settings.adaptive
-    if adaptive is None:
-        adaptive = block_size is None and not tree_budget
-    elif adaptive and tree_budget and world_group() is not None:
-        raise ValueError("adaptive tree sizes time each rank apart; they cannot run sharded")
-    if block_size is None:
-        block_size = draft.config.block_size if draft else 1
-    if tree_budget and draft is None:
-        block_size = tree_budget + 1  # the prompt lookup's chain alone, as deep as the budget
-    if tree_budget:
-        seq.target.check_tree(seq.cache)
-    wanted = ("tree budget", tree_budget) if tree_budget else ("block size", block_size)
-    if block_policy is not None and block_policy.setting != wanted:
-        raise ValueError(
-            f"the block policy was made for {' '.join(map(str, block_policy.setting))}, "
-            f"not {' '.join(map(str, wanted))}"
-        )
-    if isinstance(block_policy, AdaptiveBlock) and block_policy.timed != settings.timed:
-        made_for = "greedy decoding" if block_policy.timed else "sampling"
-        raise ValueError(f"the block policy was made for {made_for}: make a new one")
-    policy = None
-    if adaptive and block_size > 1:
-        kept = block_policy or seq.prompt_cache.block_policy
-        stale = kept is None or kept.setting != wanted
-        if stale or getattr(kept, "timed", settings.timed) != settings.timed:
-            kept = settings.new_policy(block_size)
-        policy = seq.prompt_cache.block_policy = kept
-    if tree_budget:
-        return TreeStep(seq, tree_budget, block_size - 1, policy)
-    return ChainStep(seq, block_size, policy)
-
-
-def switch_step(
-    seq: Sequence,
-    settings: GenerationSettings,
-    draft: DFlashDraft,
-    block_policy: AdaptiveStrategy | None,
-) -> SwitchStep:
-    """Chains or trees each cycle, by an `AdaptiveStrategy` for the drafter's block (the given
-    one, else the prompt cache's, else a new one)."""
-    block_size = draft.config.block_size
-    if block_policy is not None:
-        if block_policy.block_size != block_size:
-            raise ValueError(
-                f"the block policy was made for {' '.join(map(str, block_policy.setting))}, "
-                f"not the drafter's block size {block_size}"
-            )
-        if settings.block_size is not None or settings.tree_budget or settings.adaptive:
-            raise ValueError("a policy of chains and trees takes no block size or tree budget")
-        if block_policy.timed != settings.timed:
-            made_for = "greedy decoding" if block_policy.timed else "sampling"
-            raise ValueError(f"the block policy was made for {made_for}: make a new one")
-    kept = block_policy or seq.prompt_cache.block_policy
-    fits = isinstance(kept, AdaptiveStrategy) and kept.block_size == block_size
-    if not fits or kept.timed != settings.timed:
-        kept = settings.new_strategy(block_size)
-    seq.prompt_cache.block_policy = kept
-    chain = ChainStep(seq, block_size, kept)
-    return SwitchStep(chain, TreeStep(seq, kept.tree_budget, block_size - 1, kept), kept)
 
 
 def stream(
@@ -316,9 +202,8 @@ def stream(
                 prompt_tps = commit.prefilled / (time.perf_counter() - tic)
                 tic = time.perf_counter()
             else:
-                drafting.record(
-                    commit.proposed, commit.accepted, commit.tree, last=commit.finish is not None
-                )
+                last = commit.finish is not None
+                drafting.record(commit.proposed, commit.accepted, commit.tree, last, commit.rows)
             generated += len(commit.tokens)
             for t in commit.tokens:
                 if t not in eos:

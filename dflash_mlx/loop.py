@@ -1,18 +1,17 @@
 """The speculative loop at the level of tokens, as mlx-lm's `generate_step` is for plain
-decoding: prefill, then one step per cycle, each cycle's commit handed to its reply.
+decoding: prefill, then one cycle (`cycle.py`) after another, each cycle's commit handed to
+its reply.
 
-A `Batch` advances every reply it holds by one cycle per `cycle()`: it settles the
-cycles launched before (one device read each), prefills the replies that joined, ends
-replies at an EOS token (kept) or at their `max_tokens`, and launches the next cycle
-before the commits are consumed, so the consumer's work overlaps the device's. One
-reply takes its own step (`steps.py`: chains, trees, the prompt lookup, queued plain
-steps); several replies share one verify forward per cycle (`batched.py`) where their
-caches can (`rows.batchable`) and their tokens do not depend on the cycle's shape
-(`Batch._shares`), and the others take their own steps in turn. A failure in one
-reply's part of a cycle ends that reply alone, with its error; a shared cycle that
-fails runs again one reply at a time, so that only a reply that fails alone fails.
-A single generation is a batch of one (`replies`). The loop knows nothing of text,
-time or what proposes the drafts.
+A `Batch` advances every reply it holds by one cycle per `cycle()`: it settles the cycles
+launched before (one device read each), prefills the replies that joined, ends replies at
+an EOS token (kept) or at their `max_tokens`, and launches the next cycles before the
+commits are consumed, so the consumer's work overlaps the device's. Replies whose caches
+can share a forward (`rows.batchable`) and whose tokens do not depend on the cycle's shape
+(`Batch._shares`) share one cycle, each row planned by the batch's policy for that many
+rows (`plan.ByWidth`); the others take their own cycles in turn. A failure in one reply's
+part of a cycle ends that reply alone, with its error; a shared cycle that fails runs again
+one reply at a time, so that only a reply that fails alone fails. A single generation is a
+batch of one (`replies`). The loop knows nothing of text, time or what proposes the drafts.
 """
 
 from __future__ import annotations
@@ -21,17 +20,16 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import wired_limit
 
-from .adaptive import BatchedBlock
-from .batched import BatchedChain
+from . import cycle, proposers
+from .cycle import Commit, Pending, Reply
 from .draft import DFlashDraft
+from .plan import ByWidth
 from .rows import batchable
-from .steps import Commit, Reply
 from .target import TargetAdapter
 
 T = TypeVar("T")
@@ -42,8 +40,7 @@ def prefill(reply: Reply, start: int) -> Commit:
     position) and commit the target's choice after it, telling `prompt_progress` how much
     of it has run as mlx-lm does: 0 first, after each chunk, all once the token is read."""
     seq, prompt, step = reply.seq, reply.prompt, reply.prefill_step_size
-    model, cache = seq.target.model, seq.cache
-    every_cache = cache + seq.prompt_cache.draft
+    every_cache = seq.cache + seq.prompt_cache.draft
     progress = reply.prompt_progress or (lambda processed, total: None)
     total = len(prompt) - start
     progress(0, total)
@@ -51,68 +48,66 @@ def prefill(reply: Reply, start: int) -> Commit:
     # last one alone, as mlx-lm does: the LM head never sees more than one row.
     for chunk_start in range(start, len(prompt) - 1, step):
         chunk_end = min(chunk_start + step, len(prompt) - 1)
-        model(mx.array(prompt[chunk_start:chunk_end])[None], cache=cache)
-        seq.keep(None)
+        _prefill_chunk(reply, prompt[chunk_start:chunk_end])
         mx.eval([c.state for c in every_cache])
         progress(chunk_end - start, total)
-    logits = model(mx.array(prompt[-1:])[None], cache=cache)
-    seq.keep(None)
+    logits = _prefill_chunk(reply, prompt[-1:])
     seq.verifier.at(len(prompt), seq.target.vocab_size)
-    first = seq.verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
+    first = seq.verifier.verify(cycle.NONE, None, logits[0, -1:], prompt)
     token = first.token.item()
     progress(total, total)
     return Commit([token], first.logits, prefilled=total)
 
 
+def _prefill_chunk(reply: Reply, tokens: list[int]) -> mx.array:
+    """Prompt `tokens` through the target, their features handed to the proposer; the
+    logits (1, n, vocab), computed only if read."""
+    seq = reply.seq
+    taps = seq.proposer.layer_ids
+    forward = seq.target.forward(mx.array(tokens)[None], [seq.cache], taps=taps, prompt=True)
+    if taps:
+        proposers.observe([seq.proposer], forward.features, [len(tokens)])
+    return forward.logits
+
+
 class Batch:
     """Replies to one target decoded together (see the module docstring).
 
-    `chain` runs the cycles that several replies share; without one (or on a target
-    whose caches cannot share a forward) each reply takes its own step in turn.
-    While the batch holds replies the target's tapped layers are captured (one capture
-    for all) and its weights kept wired, as mlx-lm does while generating.
+    While the batch holds replies the target is claimed for it (`TargetAdapter.generating`:
+    one generation per model at a time, its weights kept wired as mlx-lm does while
+    generating).
     """
 
     def __init__(
         self,
         target: TargetAdapter,
-        chain: BatchedChain | None = None,
+        draft: DFlashDraft | None = None,
         prompt_concurrency: int | None = None,
     ):
-        self.target, self.chain = target, chain
+        self.target, self.draft = target, draft
         # how many joining replies a cycle prefills at most (None: all), so that a burst of
         # new prompts delays the replies already decoding by a bounded time
         self.prompt_concurrency = prompt_concurrency
         self.replies: list[Reply] = []
         self.joining: list[Reply] = []
-        self.shared: Any = None  # the shared cycle launched, if any
-        self.layer_ids: list[int] | None = None
-        self.caches: set[int] = set()  # ids of the caches whose forwards are captured
-        self.sink: dict[int, mx.array] = {}
+        self.shared: Pending | None = None  # the cycle several replies share, if launched
+        self.widths = ByWidth()
         self.held: ExitStack | None = None
 
     def add(self, reply: Reply) -> None:
         """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
-        layer_ids, taps = reply.seq.proposer.layer_ids, self.layer_ids or self._joining_taps()
+        drafting = reply.seq.proposer.drafting
+        if self.draft is not None and drafting is not None and drafting.draft is not self.draft:
+            raise ValueError("replies in one batch must draft with the batch's drafter")
+        taps = next(filter(None, (r.seq.proposer.layer_ids for r in self.every)), None)
+        layer_ids = reply.seq.proposer.layer_ids
         if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")
-        self.caches.update(map(id, reply.seq.cache))
         self.joining.append(reply)
 
-    def _hold(self) -> None:
-        """Before a cycle with replies joining: the target's weights wired and, once a reply
-        taps its layers, the capture open."""
-        if self.held is None:
-            self.held = ExitStack()
-            self.held.enter_context(wired_limit(self.target.model))
-        taps = self._joining_taps()
-        if taps and self.layer_ids is None:
-            self.layer_ids = taps
-            self.sink = self.held.enter_context(self.target.capture(taps, self.caches))
-
-    def _joining_taps(self) -> list[int] | None:
-        """The target layers the first joining reply that taps any taps."""
-        return next(filter(None, (r.seq.proposer.layer_ids for r in self.joining)), None)
+    @property
+    def every(self) -> list[Reply]:
+        return [*self.replies, *self.joining]
 
     def remove(self, reply: Reply) -> None:
         """Drop `reply` (finished, or its consumer gone): a cycle launched for it is undone
@@ -122,14 +117,13 @@ class Batch:
         if reply in self.replies:
             self.replies.remove(reply)
             if self.shared is not None and reply in self.shared.replies:
-                self.chain.drop(self.shared, reply)
+                cycle.drop(self.shared, reply)
             elif reply.pending is not None:
-                reply.step.cancel(reply.pending)
+                cycle.drop(reply.pending, reply)
             reply.pending = None
-        self.caches.difference_update(map(id, reply.seq.cache))
-        if not self.replies and not self.joining and self.held is not None:
+        if not self.every and self.held is not None:
             self.held.close()
-            self.held, self.sink, self.layer_ids = None, {}, None
+            self.held = None
 
     def cycle(self) -> None:
         """Advance every reply by one cycle: each gets its next commit (`Reply.commits`), or
@@ -140,14 +134,15 @@ class Batch:
         try:
             self._cycle()
         except Exception as exc:
-            for reply in [*self.replies, *self.joining]:
+            for reply in self.every:
                 self._fail(reply, exc)
             self.shared = None
             raise
 
     def _cycle(self) -> None:
-        if self.joining:
-            self._hold()
+        if self.joining and self.held is None:
+            self.held = ExitStack()
+            self.held.enter_context(self.target.generating())
         committed = self._settle_shared() if self.shared is not None else []
         own = [(reply,) for reply in self.replies if reply.pending is not None]
         committed += self._each(self._settle_own, own)
@@ -185,23 +180,25 @@ class Batch:
 
     def _settle_shared(self) -> list[tuple[Reply, Commit]]:
         """The shared cycle's commits. Where it fails, its replies are back where they stood
-        and each launches the cycle again alone, settled in this cycle as its own step's."""
-        cycle, self.shared = self.shared, None
+        and each launches the cycle again alone, settled in this cycle as its own."""
+        shared, self.shared = self.shared, None
         try:
-            return self.chain.settle(cycle)
+            return cycle.settle(shared, shared.replies[0].started)
         except Exception:
-            roots = [(reply, row.root) for reply, row in zip(cycle.replies, cycle.rows)]
+            roots = [(row.reply, row.root) for row in shared.rows]
             self._each(self._launch_alone, roots)
             return []
 
     def _settle_own(self, reply: Reply) -> Commit:
-        commit = reply.step.settle(reply.pending, reply.remaining, reply.started)
-        reply.pending = None
-        self._keep_features(reply)
+        pending, reply.pending = reply.pending, None
+        [(_, commit)] = cycle.settle(pending, reply.started, self._launch_next)
         return commit
 
+    def _launch_next(self, reply: Reply, token: mx.array) -> Pending:
+        """The reply's next cycle alone, on its token still on the device."""
+        return cycle.launch([(reply, token, reply.policy)])
+
     def _prefill(self, reply: Reply) -> Commit:
-        reply.seq.features = self.sink
         start = reply.seq.prompt_cache.reuse(reply.prompt)
         commit = prefill(reply, start)
         reply.seq.prompt_cache.tokens = list(reply.prompt)
@@ -218,7 +215,7 @@ class Batch:
         elif reply.generated >= reply.max_tokens:
             commit.finish = "length"
         if commit.finish and commit.queued:  # queued on the token that ended the reply
-            reply.step.cancel(commit.queued)
+            cycle.drop(commit.queued, reply)
             commit.queued = None
         elif not commit.finish:
             reply.seq.proposer.committed(commit.tokens)
@@ -226,38 +223,33 @@ class Batch:
 
     def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
         """The next cycle of every reply going on: one cycle shared by those that may share
-        (`_shares`) when there are several, each of the others its own step's (which reads
-        and records the features of the forward it runs). Where the shared one fails to
-        launch, its replies are back where they stood and each launches alone."""
-        sharing = [(r, c) for r, c in going_on if self._shares(r)] if self.chain else []
+        (`_shares`) when there are several, each of the others its own (a queued one
+        launched already). Where the shared one fails to launch, its replies are back where
+        they stood and each launches alone."""
+        sharing = [(r, c) for r, c in going_on if self._shares(r)]
         alone = []
         if len(sharing) > 1:
+            rows = []
             for reply, commit in sharing:
                 if commit.queued:
-                    reply.step.cancel(commit.queued)
+                    cycle.drop(commit.queued, reply)
                     commit.queued = None
-            roots = [(reply, commit.tokens[-1]) for reply, commit in sharing]
+                policy = self.widths.policy(reply.policy, len(sharing))
+                rows.append((reply, commit.tokens[-1], policy))
             try:
-                self.shared = self.chain.launch(roots, self.sink)
+                self.shared = cycle.launch(rows)
             except Exception:
-                alone = roots
+                alone = [(reply, root) for reply, root, _ in rows]
             going_on = [(r, c) for r, c in going_on if (r, c) not in sharing]
         for reply, commit in going_on:
-            if commit.queued:  # launched as its step settled
+            if commit.queued:  # launched as its cycle settled
                 reply.pending, commit.queued = commit.queued, None
             else:
                 alone.append((reply, commit.tokens[-1]))
         self._each(self._launch_alone, alone)
 
     def _launch_alone(self, reply: Reply, root: int) -> None:
-        reply.pending = reply.step.launch(root, reply.remaining)
-        self._keep_features(reply)
-
-    def _keep_features(self, reply: Reply) -> None:
-        """After a forward of the reply's own step: the features its step reads next. One
-        reply reads the live capture (a pipelined one gathers the ranks' layers as it is
-        read); each of several keeps its own forward's, which the next one's overwrites."""
-        reply.seq.features = dict(self.sink) if len(self.replies) > 1 else self.sink
+        reply.pending = cycle.launch([(reply, root, reply.policy)])
 
     @staticmethod
     def _shares(reply: Reply) -> bool:
@@ -276,11 +268,9 @@ def make_batch(
     model: nn.Module, draft: DFlashDraft | None, prompt_concurrency: int | None = None
 ) -> Batch:
     """An empty batch for `stream_generate(..., batch=)` with this target and drafter: replies
-    of it share their cycles, their drafts per cycle chosen by measured cost; a cycle prefills
-    at most `prompt_concurrency` new replies (None: every one waiting)."""
-    target = TargetAdapter(model)
-    block_size = draft.config.block_size if draft is not None else 1
-    return Batch(target, BatchedChain(target, BatchedBlock(block_size)), prompt_concurrency)
+    of it share their cycles, each planned by measured cost for that many rows; a cycle
+    prefills at most `prompt_concurrency` new replies (None: every one waiting)."""
+    return Batch(TargetAdapter(model), draft, prompt_concurrency)
 
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:

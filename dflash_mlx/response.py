@@ -21,6 +21,8 @@ class Drafting:
     chains: int = 0
     trees: int = 0
     plain: int = 0
+    shared: int = 0  # cycles verified in one forward with other replies'
+    shared_trees: int = 0  # of which this reply's part was a tree
     off_since: int | None = None  # the first cycle of the current run of plain steps
     reason: str | None = None  # why cycles were plain, where any were
     note: str | None = None  # what limited the strategy (e.g. a target that cannot take trees)
@@ -36,11 +38,16 @@ class Drafting:
         ran = sorted((n, kind) for kind, n in kinds.items() if n)
         return ", ".join(f"{kind} {n}" for n, kind in reversed(ran)) or "none"
 
-    def record(self, proposed: int, accepted: int, tree: bool, last: bool = False) -> None:
+    def record(
+        self, proposed: int, accepted: int, tree: bool, last: bool = False, rows: int = 1
+    ) -> None:
         """One cycle after the prefill: `proposed` drafts verified, as a tree or a chain, of
-        which `accepted` were taken. A reply's `last` cycle may have room for one token only,
-        so its plain step says nothing of drafting; a drafted cycle among plain steps that
-        accepts nothing is a probe, and drafting stays off."""
+        which `accepted` were taken, in a cycle of `rows` replies. A reply's `last` cycle may
+        have room for one token only, so its plain step says nothing of drafting; a drafted
+        cycle among plain steps that accepts nothing is a probe, and drafting stays off."""
+        if rows > 1:
+            self.shared += 1
+            self.shared_trees += tree
         if not proposed:
             if self.off_since is None and not last:
                 self.off_since = self.cycles
@@ -59,6 +66,8 @@ class Drafting:
             "chain_cycles": self.chains,
             "tree_cycles": self.trees,
             "plain_cycles": self.plain,
+            "shared_cycles": self.shared,
+            "shared_tree_cycles": self.shared_trees,
             "drafting_off_since_cycle": None if self.off_since is None else self.off_since + 1,
             "drafting_off_reason": self.reason if self.plain else None,
             "drafting_note": self.note,

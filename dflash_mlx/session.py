@@ -28,8 +28,7 @@ from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import CACHE_SETTINGS, PromptCache
 from .response import GenerationResponse
 from .sampling import RULES
-from .settings import GenerationSettings
-from .steps import PREFILL_STEP
+from .settings import PREFILL_STEP, GenerationSettings
 from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model

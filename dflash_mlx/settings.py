@@ -23,7 +23,8 @@ from .adaptive import (
 from .distributed import world_group
 from .prompt_cache import CACHE_SETTINGS
 from .sampling import LogitsProcessor, Sampler, Verifier, make_verifier
-from .steps import PREFILL_STEP
+
+PREFILL_STEP = 2048  # prompt tokens per prefill forward by default, as mlx-lm's
 
 
 @dataclass(frozen=True)

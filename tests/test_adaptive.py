@@ -18,11 +18,11 @@ from dflash_mlx.adaptive import (
     AdaptiveBlock,
     AdaptiveStrategy,
     AdaptiveTree,
-    BatchedBlock,
     Cycle,
     Plan,
     interpolated_cost,
 )
+from dflash_mlx.plan import ByWidth
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):
@@ -32,7 +32,7 @@ def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed:
     tokens = seconds = 0.0
     sizes = []
     for _ in range(cycles):
-        n = policy.plan() + 1
+        n = policy.plan().drafts + 1
         accepted = 0
         while accepted < n - 1 and rng.random() < rates[accepted]:
             accepted += 1
@@ -90,21 +90,23 @@ def gpu_batch_cost(rows: int, n: int) -> float:
     return 1.0 + 0.002 * rows * n + (0.3 if n > 1 else 0.0)
 
 
-def simulate_batch(policy: BatchedBlock, rates, cost, rows: int, cycles: int, seed: int = 0):
-    """Shared cycles of `rows` rows, each accepting as `simulate`'s; (tokens per second,
-    the sizes chosen)."""
+def simulate_batch(widths: ByWidth, own, rates, cost, rows: int, cycles: int, seed: int = 0):
+    """Shared cycles of `rows` rows planned by the batch's policy for them (`own`: a reply's
+    own policy), each row accepting as `simulate`'s; (tokens per second, the sizes chosen)."""
     rng = random.Random(seed)
     tokens = seconds = 0.0
     sizes = []
     for _ in range(cycles):
-        n = policy.plan(rows) + 1
+        policy = widths.policy(own, rows)
+        n = policy.plan().drafts + 1
         tried = []
         for _ in range(rows):
             accepted = 0
             while accepted < n - 1 and rng.random() < rates[accepted]:
                 accepted += 1
             tried.append((n - 1, accepted))
-        policy.record(rows, n, tried, cost(rows, n))
+        for proposed, accepted in tried:  # each row tells the policy that planned it
+            policy.record(Cycle(proposed, accepted, cost(rows, n)))
         tokens += sum(a + 1 for _, a in tried)
         seconds += cost(rows, n)
         sizes.append(n)
@@ -122,9 +124,9 @@ def simulate_batch(policy: BatchedBlock, rates, cost, rows: int, cycles: int, se
     ids=["weak-cpu-4", "strong-cpu-4", "strong-gpu-8", "useless-gpu-8"],
 )
 def test_shared_cycles_settle_near_the_best_width_never_far_below_plain(rates, cost, rows, best):
-    policy = BatchedBlock(16)
-    simulate_batch(policy, rates, cost, 2, cycles=100)  # first learned at another row count
-    rate, sizes = simulate_batch(policy, rates, cost, rows, cycles=400, seed=1)
+    widths, own = ByWidth(), AdaptiveBlock(16)
+    simulate_batch(widths, own, rates, cost, 2, cycles=100)  # first learned at another count
+    rate, sizes = simulate_batch(widths, own, rates, cost, rows, cycles=400, seed=1)
     settled = sizes[-200:]
     assert sum(n in best for n in settled) > 0.8 * len(settled), sorted(set(settled))
     fixed = {n: rows * fixed_rate(rates, lambda m: cost(rows, m), n) for n in range(1, 17)}
@@ -151,7 +153,7 @@ def test_acceptance_estimates_and_expected_tokens():
 
 def test_untried_sizes_are_costed_between_measured_ones():
     policy = AdaptiveBlock(16)
-    assert policy.plan() + 1 == 16  # nothing measured: the drafter's block
+    assert policy.plan().drafts + 1 == 16  # nothing measured: the drafter's block
     policy.record(Cycle(15, 0, 3.0))
     assert policy.cost(8) == pytest.approx(1.5)  # proportional below the smallest measured
     policy.record(Cycle(1, 0, 1.0))
@@ -260,7 +262,7 @@ def test_a_sampling_policy_ignores_the_clock():
     for timing in (lambda n: 1.0, lambda n: 1e-3 * n**3):
         policy, rng, sizes = AdaptiveBlock(16, fixed_costs=costs), random.Random(3), []
         for _ in range(200):
-            n = policy.plan() + 1
+            n = policy.plan().drafts + 1
             accepted = 0
             while accepted < n - 1 and rng.random() < WEAK[accepted]:
                 accepted += 1
@@ -341,7 +343,7 @@ def simulate_tree(policy, kinds, cycles: int = 600, seed: int = 0):
     for _ in range(cycles):
         kind = rng.choice(kinds)
         probabilities, accepted = tree_cycle(rng, *kind)
-        if policy is None or not policy.plan():
+        if policy is None or not policy.plan().drafts:
             budget, cost = None, 1.0
         else:
             budget = policy.fit(probabilities)
@@ -403,14 +405,14 @@ def test_tree_calibration_follows_an_overconfident_drafter():
 
 def test_tree_costs_are_measured_per_size_and_the_first_tree_is_the_largest():
     policy = AdaptiveTree(8)
-    assert policy.plan() == 8 and policy.fit([0.5] * 8) == 8
+    assert policy.plan() == Plan(8, tree=True) and policy.fit([0.5] * 8) == 8
     policy.record(Cycle(8, 0, 2.0, [0.5] * 8))
     assert policy.seconds == {9: 2.0}
     policy.plan()
     assert policy.fit([0.5] * 8) == 0  # costed proportionally below 9: verify the root
     policy.record(Cycle(0, 0, 1.0, []))
     assert policy.seconds == {9: 2.0, 1: 1.0}
-    assert not policy.plan()  # after the root alone was best, plain steps
+    assert policy.plan() == Plan(0, tree=True)  # after the root alone was best, plain steps
 
 
 # Chains or trees each cycle (`AdaptiveStrategy`). The synthetic tree is `width` nodes per depth

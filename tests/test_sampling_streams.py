@@ -166,11 +166,11 @@ def test_a_coupled_reply_is_the_same_whatever_its_cycles(loaded):
         expected = with_processors if "logits_processors" in shape else default
         assert reply(model, draft, tokenizer, seed=11, **kwargs, **shape) == expected, shape
     shared = []
-    launch = dflash_mlx.batched.BatchedChain.launch
+    launch = dflash_mlx.cycle.launch
 
-    def counted(self, roots, sink):
-        shared.append(len(roots))
-        return launch(self, roots, sink)
+    def counted(rows):
+        shared.append(len(rows))
+        return launch(rows)
 
     batch = dflash_mlx.make_batch(model, draft)
     pair = [
@@ -179,7 +179,7 @@ def test_a_coupled_reply_is_the_same_whatever_its_cycles(loaded):
     ]
     tokens: list[list[int]] = [[], []]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dflash_mlx.batched.BatchedChain, "launch", counted)
+        patch.setattr(dflash_mlx.cycle, "launch", counted)
         for i, generation in [(i, g) for _ in range(30) for i, g in enumerate(pair)]:
             tokens[i] += next(generation).tokens if len(tokens[i]) < 24 else []
     assert shared and max(shared) == 2  # the two replies verified together

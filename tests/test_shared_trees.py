@@ -1,0 +1,121 @@
+"""Trees in cycles several replies share: each row drafts its own tree (the prompt lookup's
+grafts included) in one drafter forward with the others, and the target verifies every row's
+tree, chain or plain step in one forward; every reply is still its own greedy reply."""
+
+import numpy as np
+import pytest
+from helpers import reference_greedy
+from test_batch import interleave, no_eos
+from test_dflash2 import dflash2_pair  # noqa: F401 (a fixture)
+from test_dspark import dspark_pair  # noqa: F401 (a fixture)
+
+import dflash_mlx
+from dflash_mlx import load, load_draft, make_batch, stream_generate
+from dflash_mlx.proposers import LookupProposer
+
+MAX_TOKENS = 32
+
+
+def repeating_prompts(count: int) -> list[list[int]]:
+    """Prompts that repeat a phrase of their own, so that the prompt lookup finds
+    continuations to graft."""
+    rng = np.random.default_rng(11)
+    out = []
+    for _ in range(count):
+        phrase = rng.integers(4, 300, size=int(rng.integers(4, 9))).tolist()
+        out.append(phrase * 3 + phrase[:2])
+    return out
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Each launched cycle's rows: (how many, which were trees, which trees held grafts)."""
+    seen = []
+    launch = dflash_mlx.cycle.launch
+
+    def recorded(rows):
+        pending = launch(rows)
+        trees = [row.tree is not None and len(row.tree) > 1 for row in pending.rows]
+        grafted = [
+            isinstance(row.reply.seq.proposer, LookupProposer)
+            and any(node >= 0 for node in row.reply.seq.proposer.nodes)
+            for row in pending.rows
+        ]
+        seen.append((len(pending.rows), trees, grafted))
+        return pending
+
+    monkeypatch.setattr(dflash_mlx.cycle, "launch", recorded)
+    return seen
+
+
+def shared_replies(model, draft, tokenizer, texts, **settings) -> dict:
+    batch = make_batch(model, draft)
+    generators = {
+        i: stream_generate(
+            model, draft, tokenizer, text, max_tokens=MAX_TOKENS, batch=batch, **settings
+        )
+        for i, text in enumerate(texts)
+    }
+    return interleave(generators)
+
+
+def expected(model, texts) -> dict:
+    return {i: reference_greedy(model, text, MAX_TOKENS, set()) for i, text in enumerate(texts)}
+
+
+def assert_shared_trees(launched, grafts: bool) -> None:
+    shared = [(trees, grafted) for rows, trees, grafted in launched if rows > 1]
+    assert any(sum(trees) > 1 for trees, _ in shared)  # several rows' trees in one forward
+    if grafts:
+        assert any(any(g) for _, g in shared)  # with the prompt lookup's grafts
+
+
+@pytest.mark.parametrize("settings", [{"tree_budget": 8}, {}], ids=["tree-budget-8", "default"])
+def test_shared_cycles_verify_each_rows_tree_with_the_lookup(loaded, launched, settings):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    texts = repeating_prompts(4)
+    got = shared_replies(model, draft, no_eos(tokenizer), texts, **settings)
+    assert got == expected(model, texts)
+    if settings:  # the default may settle on chains: what it runs is its own choice
+        assert_shared_trees(launched, grafts=True)
+
+
+def test_shared_dflash2_selector_trees(dflash2_pair, loaded, launched):  # noqa: F811
+    target, draft_dir = dflash2_pair("qwen3-tied-gqa")
+    model, tokenizer = load(target)
+    draft = load_draft(draft_dir)
+    texts = repeating_prompts(3)
+    got = shared_replies(model, draft, no_eos(tokenizer), texts, tree_budget=8)
+    assert got == expected(model, texts)
+    assert_shared_trees(launched, grafts=True)
+
+
+def test_shared_dspark_markov_trees_and_walks(dspark_pair, loaded, launched):  # noqa: F811
+    model, tokenizer, _ = loaded("qwen3-untied-mha")
+    draft = load_draft(dspark_pair("deepspec")[1])
+    texts = repeating_prompts(3)
+    tokenizer = no_eos(tokenizer)
+    assert shared_replies(model, draft, tokenizer, texts, tree_budget=8) == expected(model, texts)
+    assert_shared_trees(launched, grafts=True)
+    launched.clear()  # chains: the Markov walk and the confidence cut per row
+    assert shared_replies(model, draft, tokenizer, texts, block_size=6) == expected(model, texts)
+    assert any(rows > 1 for rows, _, _ in launched)
+
+
+def test_rows_of_chains_trees_and_plain_steps_share_one_forward(loaded, launched):
+    """Replies that ask for different shapes (a tree, a chain, plain steps, the default)
+    share cycles, each its own greedy reply."""
+    model, tokenizer, draft = loaded("qwen3-tied-gqa")
+    tokenizer = no_eos(tokenizer)
+    texts = repeating_prompts(4)
+    batch = make_batch(model, draft)
+    shapes = [{"tree_budget": 6}, {"block_size": 4}, {"block_size": 1}, {}]
+    generators = {
+        i: stream_generate(
+            model, draft, tokenizer, text, max_tokens=MAX_TOKENS, batch=batch, **shape
+        )
+        for i, (text, shape) in enumerate(zip(texts, shapes))
+    }
+    assert interleave(generators) == expected(model, texts)
+    mixed = [trees for rows, trees, _ in launched if rows > 1 and any(trees)]
+    assert any(not all(trees) for trees in mixed)  # a tree beside rows that were not
