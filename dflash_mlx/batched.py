@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import proposers
 from .adaptive import BatchedBlock
-from .proposers import observe_rows, propose_chains
 from .sampling import Verdict
 from .steps import Commit, Reply, Sequence
 from .target import TargetAdapter
@@ -114,7 +114,7 @@ class BatchedChain:
             contexts.append(seq.tokens + [root] if seq.verifier.processors else None)
             seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
         drafting = [i for i, n in enumerate(wanted) if n > 0]
-        chains = propose_chains(
+        chains = proposers.chains(
             [roots[i][0].seq.proposer for i in drafting],
             [roots[i][1] for i in drafting],
             [wanted[i] for i in drafting],
@@ -176,8 +176,8 @@ class BatchedChain:
             features = mx.concatenate([cycle.features[j] for j in layer_ids], axis=-1)
             if len(observing) < len(cycle.replies):
                 features = features[mx.array(observing)]
-            proposers = [cycle.replies[i].seq.proposer for i in observing]
-            observe_rows(proposers, features, [tried[i][1] + 1 for i in observing])
+            observers = [cycle.replies[i].seq.proposer for i in observing]
+            proposers.observe(observers, features, [tried[i][1] + 1 for i in observing])
         seconds = time.perf_counter() - cycle.started
         self.policy.record(len(cycle.rows), cycle.positions, tried, seconds)
         return commits

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from . import proposers
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle
 from .prompt_cache import PromptCache
 from .proposers import Proposer
@@ -73,8 +74,8 @@ class Sequence:
         layer_ids = self.proposer.layer_ids
         if layer_ids:
             features = mx.concatenate([self.features[i] for i in layer_ids], axis=-1)
-            index = mx.array(rows) if isinstance(rows, list) else slice(rows)
-            self.proposer.observe(features[:, index])
+            kept = features.shape[1] if rows is None else rows
+            proposers.observe([self.proposer], features, [kept])
 
 
 class Step(Protocol):
@@ -151,7 +152,7 @@ class ChainStep:
         context = seq.tokens + [root] if seq.verifier.processors else None
         seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
         if n > 1:
-            drafts, logq = seq.proposer.chain(root_id, n - 1, context)
+            drafts, logq = proposers.chains([seq.proposer], [root], [n - 1], [context])[0]
             n = drafts.size + 1  # a proposer may stop short (a DSpark confidence head)
             verify = mx.concatenate([root_id, drafts.astype(root_id.dtype)])
         else:
@@ -243,7 +244,7 @@ class TreeStep:
         verifier.at(position, seq.target.vocab_size)
         if depth > 0:
             scores = verifier.tree_scores if verifier.coupled else None
-            tree = seq.proposer.tree(root, depth, budget, scores)
+            tree = proposers.trees([seq.proposer], [root], [depth], [budget], [scores])[0]
             if policy:
                 tree = tree.first(policy.fit(tree.probabilities()) + 1)
         start = seq.cache[0].offset
