@@ -329,20 +329,20 @@ class CycleCost:
         with self.target.capture(layer_ids) as captured:
             model(mx.array(self.prompt)[None], cache=self.cache)
             draft.append_context(
-                mx.concatenate([captured[i] for i in layer_ids], -1), self.draft_cache
+                mx.concatenate([captured[i] for i in layer_ids], -1), [self.draft_cache]
             )
         mx.eval([c.state for c in self.cache + self.draft_cache])
         self.draft_head = self.target.draft_head(draft.config.draft_vocab)
         self.draft_block = mx.array(
-            [self.prompt[-1]] + [draft.config.mask_token_id] * (self.block - 1)
+            [[self.prompt[-1]] + [draft.config.mask_token_id] * (self.block - 1)]
         )
         self.trees = {b: self.draft_tree(b) for b in args.tree_budgets}
 
     def draft_tree(self, budget: int):
         """The tree a cycle after the prompt would verify: from the drafter's top-k."""
         logits = self.draft.draft_logits(
-            self.draft_block, self.target.embed_tokens, self.target.lm_head, self.draft_cache
-        )
+            self.draft_block, self.target.embed_tokens, self.target.lm_head, [self.draft_cache]
+        )[0]
         return build_tree(self.prompt[-1], *top_candidates(logits, budget), budget)
 
     def mlx_lm_step(self, max_tokens: int) -> float:
@@ -407,7 +407,7 @@ class CycleCost:
     def draft_forward(self) -> float:
         tic = time.perf_counter()
         logits = self.draft.draft_logits(
-            self.draft_block, self.target.embed_tokens, self.draft_head, self.draft_cache
+            self.draft_block, self.target.embed_tokens, self.draft_head, [self.draft_cache]
         )
         mx.argmax(logits, axis=-1).tolist()
         return 1e3 * (time.perf_counter() - tic)

@@ -62,7 +62,7 @@ def context(model, draft, target: TargetAdapter, ids: list[int]) -> list:
     with target.capture(draft.config.target_layer_ids) as captured:
         model(mx.array(ids)[None])
         feats = mx.concatenate([captured[i] for i in draft.config.target_layer_ids], axis=-1)
-        draft.append_context(feats, cache)
+        draft.append_context(feats, [cache])
     mx.eval([c.state for c in cache])
     return cache
 
@@ -97,18 +97,18 @@ def main() -> None:
 
     ids = [t for p in prompts for t in p][:300]
     cache = context(model, draft, target, ids)
-    block = mx.array([ids[-1]] + [draft.config.mask_token_id] * 15)
+    block = mx.array([[ids[-1]] + [draft.config.mask_token_id] * 15])
     heads = {"full": target.draft_head(None)}
     heads.update({f"{n // 1024}k": target.draft_head(vocabs[n]) for n in SIZES})
-    hidden = draft(target.embed_tokens(block[None]), cache)[0, 1:]
+    hidden = draft(target.embed_tokens(block), cache)[0, 1:]
     mx.eval(hidden)
     fns = {
         f"draft_logits+argmax {name}": lambda h=head: mx.argmax(
-            draft.draft_logits(block, target.embed_tokens, h, cache), axis=-1
+            draft.draft_logits(block, target.embed_tokens, h, [cache])[0], axis=-1
         )
         for name, head in heads.items()
     }
-    fns["body only"] = lambda: draft(target.embed_tokens(block[None]), cache)
+    fns["body only"] = lambda: draft(target.embed_tokens(block), cache)
     fns.update({f"head only {name}": lambda h=head: h(hidden) for name, head in heads.items()})
     results["vocab_sizes"] = {f"{n // 1024}k": len(vocab) for n, vocab in vocabs.items()}
     results["ms"] = median_ms(fns, args.reps)
@@ -139,7 +139,7 @@ def main() -> None:
     }
     results["end_to_end"]["identical"] = identical
 
-    embedded = target.embed_tokens(block[None])
+    embedded = target.embed_tokens(block)
     kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
     compiled = mx.compile(lambda h, kv: body(draft, h, kv))
     grown = [

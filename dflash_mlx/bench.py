@@ -134,8 +134,8 @@ def _eval_output(out: Any, args: tuple, kwargs: dict) -> None:
 
 def _eval_cache(out: Any, args: tuple, kwargs: dict) -> None:
     """`append_context` returns nothing: its work is the K/V it writes to the cache."""
-    cache = args[1] if len(args) > 1 else kwargs["cache"]
-    mx.eval([c.state for c in cache])
+    caches = args[1] if len(args) > 1 else kwargs["caches"]
+    mx.eval([c.state for cache in caches for c in cache])
 
 
 def _no_sync(out: Any, args: tuple, kwargs: dict) -> None:

@@ -269,7 +269,7 @@ def _probe(model: nn.Module, draft: DFlashDraft | None, options: dict[str, Any])
     if draft is not None:
         width = len(draft.config.target_layer_ids) * draft.config.hidden_size
         hidden = target.embed_tokens(mx.array([0])).dtype
-        draft.append_context(mx.zeros((1, 1, width), dtype=hidden), probe.draft)
+        draft.append_context(mx.zeros((1, 1, width), dtype=hidden), [probe.draft])
     mx.eval([c.state for _, c in _keyed(probe)])
     return probe
 

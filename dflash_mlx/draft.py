@@ -69,6 +69,12 @@ class DraftHead(Protocol):
     def rows(self, x: mx.array) -> mx.array: ...
 
 
+Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
+# `Verifier.tree_scores`: drafter logits (depths 1, 2, ...) and their columns' token ids
+# (None: the vocabulary) -> what a tree ranks its candidates by
+TreeScores = Callable[[mx.array, list[int] | None], mx.array]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Spread the tapped target layers from layer 1 to num_target_layers - 3, as published."""
     if num_draft_layers == 1:
@@ -607,20 +613,22 @@ class DFlashDraft(nn.Module):
         """The context rows: concatenated target features -> fc -> hidden_norm."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def append_context(self, target_hidden: mx.array, cache: list[KVCache]) -> None:
-        """Store K/V of newly committed positions; they depend only on the fused features."""
-        context = self.fuse(target_hidden)
-        for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.self_attn.keys_values(context, c.offset))
-
-    def append_context_rows(
-        self, target_hidden: mx.array, caches: list[list[KVCache]], counts: list[int]
+    def append_context(
+        self, features: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
     ) -> None:
-        """`append_context` for several replies at once: row i's first `counts[i]` positions
-        of `target_hidden` (rows, n, features) go to `caches[i]` (one fc and one K/V
-        projection per layer for all rows)."""
-        context = self.fuse(target_hidden)
+        """Store the K/V of newly committed positions (they depend only on the fused
+        features): row i's first `counts[i]` positions of `features` (rows, n, features), all
+        of them if `counts` is None, go to `caches[i]`, in one fc and one K/V projection per
+        layer for all rows (one row: its plain caches and offsets, as a lone reply's)."""
+        counts = counts or [features.shape[1]] * len(caches)
+        if len(caches) == 1 and counts[0] < features.shape[1]:
+            features = features[:, : counts[0]]
+        context = self.fuse(features)
         for layer, per_row in zip(self.layers, zip(*caches)):
+            if len(per_row) == 1:
+                (cache,) = per_row
+                cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
+                continue
             offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
             keys, values = layer.self_attn.keys_values(context, offsets)
             for i, (c, n) in enumerate(zip(per_row, counts)):
@@ -641,12 +649,20 @@ class DFlashDraft(nn.Module):
         scale = self.config.input_embedding_scale
         return h if scale == 1.0 else h * scale
 
-    def mask_hidden(
-        self, block: mx.array, embed: Callable[[mx.array], mx.array], cache: list[KVCache]
+    def block_hidden(
+        self, blocks: mx.array, embed: Callable[[mx.array], mx.array], caches: list[list[KVCache]]
     ) -> mx.array:
-        """Final hidden states (L - 1, hidden) of the block's mask positions."""
+        """Final hidden states (rows, L, hidden) of `blocks` (rows, L), row i over its own
+        context `caches[i]`, in one drafter forward (one row: through its plain caches)."""
+        cache = caches[0] if len(caches) == 1 else row_caches(caches)
         with backends.building(self.block_swaps(backends.current())):
-            return self(self.embed_blocks(embed, block[None]), cache)[0, 1:]
+            return self(self.embed_blocks(embed, blocks), cache)
+
+    def mask_hidden(
+        self, blocks: mx.array, embed: Callable[[mx.array], mx.array], caches: list[list[KVCache]]
+    ) -> mx.array:
+        """Final hidden states (rows, L - 1, hidden) of the blocks' mask positions."""
+        return self.block_hidden(blocks, embed, caches)[:, 1:]
 
     def head_logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
         """`lm_head(hidden)` times `output_multiplier`, soft-capped by `final_logit_softcapping`
@@ -662,104 +678,90 @@ class DFlashDraft(nn.Module):
 
     def draft_logits(
         self,
-        block: mx.array,
+        blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
-        cache: list[KVCache],
+        caches: list[list[KVCache]],
     ) -> mx.array:
-        """Logits (L - 1, vocab) for the block's mask positions, through the target's head
-        (restricted to the draft vocabulary: `TargetAdapter.draft_head`)."""
-        return self.head_logits(self.mask_hidden(block, embed, cache), lm_head)
-
-    def selector_edges(
-        self,
-        block: mx.array,
-        embed: Callable[[mx.array], mx.array],
-        lm_head: Callable[[mx.array], mx.array],
-        cache: list[KVCache],
-    ) -> tuple[mx.array, mx.array]:
-        """DFlash 2: the selector's candidates (L - 1, K) for the block's mask positions and
-        its edge log-probabilities (L - 1, K, K) (`CandidateSelector.edge_logprobs`)."""
-        hidden = self.mask_hidden(block, embed, cache)
-        logits = self.head_logits(hidden, lm_head)
-        return self.candidate_selector.edge_logprobs(hidden, logits, block[0])
+        """Logits (rows, L - 1, vocab) for the blocks' mask positions, through the target's
+        head (restricted to the draft vocabulary: `TargetAdapter.draft_head`)."""
+        return self.head_logits(self.mask_hidden(blocks, embed, caches), lm_head)
 
     def propose(
-        self,
-        block: mx.array,
-        embed: Callable[[mx.array], mx.array],
-        lm_head: Callable[[mx.array], mx.array],
-        cache: list[KVCache],
-        choose: Callable[..., tuple[mx.array, mx.array | None]],
-        context: list[int] | None = None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Draft tokens (L - 1,) for the block's mask positions and their log-probabilities.
-
-        `choose` (a `Verifier.propose`) maps rows of scores to (ids, log q or None).
-        DFlash 1 applies it to the logits, after the committed tokens `context`
-        (which logits processors see); DFlash 2 to each step of the selector's walk,
-        whose log q (over the candidates, not the vocabulary, so unprocessed) keeps
-        speculative sampling exact.
-        """
-        if "candidate_selector" not in self:
-            return choose(self.draft_logits(block, embed, lm_head, cache), context)
-        hidden = self.mask_hidden(block, embed, cache)
-        logits = self.head_logits(hidden, lm_head)
-        return self.candidate_selector.walk(hidden, logits, block[0], choose)
-
-    @property
-    def walks(self) -> bool:
-        """Whether a proposal is a walk along the block (DFlash 2's selector), each step
-        after the last one's token, rather than one head over it."""
-        return "candidate_selector" in self
-
-    def propose_rows(
         self,
         blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
         caches: list[list[KVCache]],
-        chooses: list[Callable[..., tuple[mx.array, mx.array | None]]],
+        chooses: list[Choose],
         contexts: list[list[int] | None],
         lengths: list[int],
     ) -> list[tuple[mx.array, mx.array | None]]:
-        """`propose` for several replies' blocks (rows, L) in one drafter forward, each row
-        over its own context (`caches[i]`) and proposed by its own `chooses[i]`, keeping
-        its first `lengths[i]` drafts. A drafter whose proposal walks (`walks`) proposes
-        row by row."""
-        if self.walks:
-            rows = zip(caches, chooses, contexts, lengths)
-            return [
-                self.propose(blocks[i, : n + 1], embed, lm_head, cache, choose, context)
-                for i, (cache, choose, context, n) in enumerate(rows)
-            ]
-        with backends.building(self.block_swaps(backends.current())):
-            hidden = self(self.embed_blocks(embed, blocks), row_caches(caches))[:, 1:]
+        """Each row's first `lengths[i]` draft tokens after `blocks[i, 0]` (blocks: rows of
+        [root, mask, ...]) and their log-probabilities, from one drafter forward, row i over
+        its own context `caches[i]` and proposed by its own `chooses[i]`.
+
+        `choose` (a `Verifier.propose`) maps rows of scores to (ids, log q or None).
+        DFlash 1 applies it to the logits, after the committed tokens `contexts[i]`
+        (which logits processors see); DFlash 2 to each step of the selector's walk,
+        whose log q (over the candidates, not the vocabulary, so unprocessed) keeps
+        speculative sampling exact.
+        """
+        rows = list(zip(chooses, contexts, lengths))
+        if "candidate_selector" not in self:
+            logits = self.draft_logits(blocks, embed, lm_head, caches)
+            return [choose(logits[i, :n], context) for i, (choose, context, n) in enumerate(rows)]
+        hidden = self.mask_hidden(blocks, embed, caches)
         logits = self.head_logits(hidden, lm_head)
+        walk = self.candidate_selector.walk
         return [
-            choose(logits[i, :n], context)
-            for i, (choose, context, n) in enumerate(zip(chooses, contexts, lengths))
+            walk(hidden[i, :n], logits[i, :n], blocks[i, 0], choose)
+            for i, (choose, _, n) in enumerate(rows)
         ]
 
-    def tree(
+    def trees(
         self,
-        root: int,
+        roots: list[int],
         depth: int,
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
-        cache: list[KVCache],
-        budget: int,
-        scores: Callable[[mx.array, list[int] | None], mx.array] | None = None,
-    ) -> Tree:
-        """The `budget` most likely continuations of `root`, up to `depth` tokens deep
-        (`tree.py`). DFlash 1 ranks each position's tokens apart (over the head's own
-        columns), by `scores` of its logits if given (the coupled rule's perturbed
-        log q); DFlash 2 scores each token given the one before, as its selector walks."""
-        block = mx.array([root] + [self.config.mask_token_id] * depth)
+        caches: list[list[KVCache]],
+        budgets: list[int],
+        scores: list[TreeScores | None],
+    ) -> list[Tree]:
+        """Each row's `budgets[i]` most likely continuations of `roots[i]`, up to `depth`
+        tokens deep (`tree.py`), from one drafter forward. DFlash 1 ranks each position's
+        tokens apart (over the head's own columns), by `scores[i]` of its logits if given
+        (the coupled rule's perturbed log q); DFlash 2 scores each token given the one
+        before, as its selector walks."""
+        blocks = mx.array([[root] + [self.config.mask_token_id] * depth for root in roots])
+        rows = list(zip(roots, budgets, scores))
         if "candidate_selector" in self:
-            edges = ranked_edges(*self.selector_edges(block, embed, head, cache))
-            return build_selector_tree(root, *edges, budget)
-        logits = self.draft_logits(block, embed, head.rows, cache)
-        if scores is not None:
-            logits = scores(logits, head.token_ids)
-        return build_tree(root, *top_candidates(logits, budget, head.token_ids), budget)
+            hidden = self.mask_hidden(blocks, embed, caches)
+            logits = self.head_logits(hidden, head)
+            edges = self.candidate_selector.edge_logprobs
+            return [
+                build_selector_tree(
+                    root, *ranked_edges(*edges(hidden[i], logits[i], blocks[i, 0])), budget
+                )
+                for i, (root, budget, _) in enumerate(rows)
+            ]
+        logits = self.draft_logits(blocks, embed, head.rows, caches)
+        return [
+            rank_tree(root, logits[i], head.token_ids, budget, score)
+            for i, (root, budget, score) in enumerate(rows)
+        ]
+
+
+def rank_tree(
+    root: int,
+    logits: mx.array,
+    token_ids: list[int] | None,
+    budget: int,
+    scores: TreeScores | None,
+) -> Tree:
+    """The tree of a head whose positions rank apart: each depth's tokens by `scores` of
+    its logits (depth, columns), if given, else by the logits themselves."""
+    if scores is not None:
+        logits = scores(logits, token_ids)
+    return build_tree(root, *top_candidates(logits, budget, token_ids), budget)

@@ -45,10 +45,19 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import backends
 from .adaptive import FIXED_CYCLE_COSTS, interpolated_cost
-from .draft import MLP, BlockContext, DFlashConfig, DFlashDraft, DraftAttention, DraftHead
-from .tree import Tree, build_selector_tree, build_tree, ranked_edges, top_candidates
+from .draft import (
+    MLP,
+    BlockContext,
+    Choose,
+    DFlashConfig,
+    DFlashDraft,
+    DraftAttention,
+    DraftHead,
+    TreeScores,
+    rank_tree,
+)
+from .tree import Tree, build_selector_tree, ranked_edges
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 TREE_WIDTH = 16  # candidates per depth a Markov tree scores
@@ -350,7 +359,7 @@ class Gemma4Layer(nn.Module):
 
 class DSparkDraft(DFlashDraft):
     """A DSpark drafter: `propose` walks the Markov head along the slots and truncates the
-    chain by the confidence head; `tree` grows the tree the Markov walk would sample.
+    chain by the confidence head; `trees` grows the tree the Markov walk would sample.
 
     `verify_cost(n)`, a cycle's cost when it verifies n positions (by default this
     backend's `adaptive.FIXED_CYCLE_COSTS`), drives the confidence truncation; None
@@ -388,45 +397,49 @@ class DSparkDraft(DFlashDraft):
             self.verify_cost = partial(interpolated_cost, backend_costs())
 
     def slot_hidden(
-        self, root: mx.array, drafts: int, embed: Callable[[mx.array], mx.array], cache: list
+        self, blocks: mx.array, embed: Callable[[mx.array], mx.array], caches: list
     ) -> mx.array:
-        """Final hidden states (drafts, hidden) of the slots that predict the `drafts` tokens
-        after `root` (1,)."""
-        slots = drafts if self.config.from_anchor else drafts + 1
-        block = mx.concatenate([root, mx.full((slots - 1,), self.config.mask_token_id)])
-        with backends.building(self.block_swaps(backends.current())):
-            hidden = self(self.embed_blocks(embed, block[None].astype(root.dtype)), cache)[0]
-        return hidden if self.config.from_anchor else hidden[1:]
+        """Final hidden states (rows, L - 1, hidden) of the slots that predict the L - 1
+        tokens after each row's root, for `blocks` (rows, L) = [root, mask, ...]."""
+        if self.config.from_anchor:
+            return self.block_hidden(blocks[:, :-1], embed, caches)
+        return self.mask_hidden(blocks, embed, caches)
 
     def propose(
         self,
-        block: mx.array,
+        blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
-        cache: list[KVCache],
-        choose: Callable[..., tuple[mx.array, mx.array | None]],
-        context: list[int] | None = None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Up to len(block) - 1 drafts after `block[0]` and their log q, as `DFlashDraft.propose`:
-        the Markov walk's choices, cut where the confidence head says to stop verifying."""
-        root = block[:1]
-        hidden = self.slot_hidden(root, block.shape[0] - 1, embed, cache)
+        caches: list[list[KVCache]],
+        chooses: list[Choose],
+        contexts: list[list[int] | None],
+        lengths: list[int],
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """Up to `lengths[i]` drafts after each row's root and their log q, as
+        `DFlashDraft.propose`: one drafter forward, then per row the Markov walk's choices,
+        cut where the confidence head says to stop verifying."""
+        hidden = self.slot_hidden(blocks, embed, caches)
         logits = self.head_logits(hidden, lm_head)
-        if "markov_head" not in self:
-            tokens, logq = choose(logits, context)
-        else:
-            tokens, logq = self.walk(hidden, logits, root, choose, context)
-        if "confidence_head" not in self or self.verify_cost is None:
-            return tokens, logq
-        prev = mx.concatenate([root, tokens[:-1].astype(root.dtype)])
-        keep = confident_length(self.confidence(hidden, prev).tolist(), self.verify_cost)
-        return tokens[:keep], None if logq is None else logq[:keep]
-
-    @property
-    def walks(self) -> bool:
-        """Always, for `propose_rows`: the Markov walk and the confidence head follow each
-        row's own drafts."""
-        return True
+        cut = "confidence_head" in self and self.verify_cost is not None
+        proposed, confidences = [], []
+        for i, (choose, context, n) in enumerate(zip(chooses, contexts, lengths)):
+            root = blocks[i, :1]
+            if "markov_head" not in self:
+                tokens, logq = choose(logits[i, :n], context)
+            else:
+                tokens, logq = self.walk(hidden[i, :n], logits[i, :n], root, choose, context)
+            proposed.append((tokens, logq))
+            if cut:
+                prev = mx.concatenate([root, tokens[:-1].astype(root.dtype)])
+                confidences.append(self.confidence(hidden[i, :n], prev))
+        if not cut:
+            return proposed
+        mx.eval(confidences)  # one read for every row
+        keeps = [confident_length(c.tolist(), self.verify_cost) for c in confidences]
+        return [
+            (tokens[:keep], None if logq is None else logq[:keep])
+            for (tokens, logq), keep in zip(proposed, keeps)
+        ]
 
     def walk(
         self,
@@ -462,32 +475,43 @@ class DSparkDraft(DFlashDraft):
         """c_k (len,) for slot outputs `hidden` whose previous tokens are `prev`."""
         return self.confidence_head(self.confidence_features(hidden, prev))
 
-    def tree(
+    def trees(
         self,
-        root: int,
+        roots: list[int],
         depth: int,
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
-        cache: list[KVCache],
-        budget: int,
-        scores: Callable[[mx.array, list[int] | None], mx.array] | None = None,
-    ) -> Tree:
-        """The `budget` best continuations of `root` as the Markov walk scores them: a node's
-        children from its slot's logits plus the bias of the node's own token (one read).
-        Without a Markov head the slots' logits rank apart, by `scores` of them if given
-        (`DFlashDraft.tree`); with one, each node's children are ranked by the walk's own."""
-        hidden = self.slot_hidden(mx.array([root]), depth, embed, cache)
+        caches: list[list[KVCache]],
+        budgets: list[int],
+        scores: list[TreeScores | None],
+    ) -> list[Tree]:
+        """Each row's `budgets[i]` best continuations of `roots[i]` as the Markov walk scores
+        them, from one drafter forward: a node's children from its slot's logits plus the
+        bias of the node's own token (one read). Without a Markov head the slots' logits rank
+        apart, by `scores[i]` of them if given (`DFlashDraft.trees`); with one, each node's
+        children are ranked by the walk's own."""
+        blocks = mx.array([[root] + [self.config.mask_token_id] * depth for root in roots])
+        hidden = self.slot_hidden(blocks, embed, caches)
+        rows = list(zip(roots, budgets, scores))
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
-            if scores is not None:
-                logits = scores(logits, head.token_ids)
-            return build_tree(root, *top_candidates(logits, budget, head.token_ids), budget)
+            return [
+                rank_tree(root, logits[i], head.token_ids, budget, score)
+                for i, (root, budget, score) in enumerate(rows)
+            ]
         if self.config.markov_head_type == "rnn":
             raise ValueError("a DSpark drafter with an rnn Markov head drafts chains, not trees")
         logits = self.head_logits(hidden, head).astype(mx.float32)
+        return [
+            self.markov_tree(root, hidden[i], logits[i], budget)
+            for i, (root, budget, _) in enumerate(rows)
+        ]
+
+    def markov_tree(self, root: int, hidden: mx.array, logits: mx.array, budget: int) -> Tree:
+        """One row's Markov tree from its slots' outputs and logits (depth, ...)."""
         width = min(budget, TREE_WIDTH, logits.shape[-1])
         prev, candidates, edges = mx.array([root]), [], []
-        for t in range(depth):
+        for t in range(hidden.shape[0]):
             bias, _ = self.markov_head.step(prev, hidden[t])
             scores = logits[t] + bias.astype(mx.float32)  # (parents, vocab)
             logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)

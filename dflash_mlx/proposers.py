@@ -1,29 +1,24 @@
-"""What proposes draft tokens to a step: a drafter, the prompt lookup, or nothing.
+"""What proposes draft tokens to a cycle: a drafter, the prompt lookup, or nothing.
 
-A step (`steps.py`) asks its proposer for a chain (`chain`: tokens after the last
-committed one, and their log-probabilities for speculative sampling) or a tree
-(`tree`), tells it the target's features of every position the target kept
-(`observe`, for proposers that tap target layers: `layer_ids`), the tokens
-committed (`committed`) and which of a tree's nodes the target accepted
-(`verified`). The base class proposes nothing: plain decoding. A new kind of
-drafter is one more subclass here; the loop and the steps stay as they are.
+A cycle asks the rows' proposers for chains (`chains`: tokens after each row's last
+committed one, and their log-probabilities for speculative sampling) or trees (`trees`),
+hands them the target's features of the positions each row kept (`observe`, for proposers
+that tap target layers: `layer_ids`), and tells each the tokens committed (`committed`)
+and which of a tree's nodes the target accepted (`verified`). The rows that draft with one
+drafter module share its forwards; the base class proposes nothing: plain decoding. A new
+kind of drafter is one more subclass here; the cycle stays as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
-from .draft import DFlashDraft
+from .draft import Choose, DFlashDraft, TreeScores
 from .lookup import ContextLookup
 from .target import TargetAdapter
 from .tree import Tree, graft
 
-Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
-# `Verifier.tree_scores`: drafter logits (depths 1, 2, ...) and their columns' token ids
-# (None: the vocabulary) -> what a tree ranks its candidates by
-TreeScores = Callable[[mx.array, list[int] | None], mx.array]
+__all__ = ["Choose", "TreeScores"]
 
 
 class Proposer:
@@ -31,28 +26,17 @@ class Proposer:
 
     layer_ids: list[int] | None = None  # the target layers whose features `observe` wants
 
-    def observe(self, features: mx.array) -> None:
-        """The target's features (1, n, len(layer_ids) x hidden) of the n positions it kept."""
-
     def committed(self, tokens: list[int]) -> None:
         """Tokens committed to the reply, in order."""
 
-    def chain(
-        self, root: mx.array, length: int, context: list[int] | None
-    ) -> tuple[mx.array, mx.array | None]:
-        """`length` draft tokens after `root` (1,) and their log-probabilities q (None unless
-        sampling); `context` is every token up to the root, for logits processors."""
-        raise ValueError("this proposer drafts no chains: use a block size of 1")
-
-    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
-        """A tree of up to `budget` draft tokens after `root`, at most `depth` deep, ranked
-        by `scores` of the drafter's logits (None: the logits themselves)."""
-        return Tree([root], [-1], [0])
+    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
+        """This row's tree from its drafter's (the root alone without one): as it is here."""
+        return tree
 
     @property
     def drafting(self) -> DrafterProposer | None:
-        """The drafter proposer whose forwards this one's chains and observations may share
-        with other replies' (`propose_chains`, `observe_rows`); None: its own alone."""
+        """The drafter proposer whose forwards this row's chains, trees and observations share
+        with other rows'; None: it has no drafter."""
         return None
 
     def verified(self, tree: Tree, path: list[int]) -> None:
@@ -70,18 +54,6 @@ class DrafterProposer(Proposer):
         self.head = target.draft_head(draft.config.draft_vocab)
         self.layer_ids = draft.config.target_layer_ids
         self.mask = draft.config.mask_token_id
-
-    def observe(self, features: mx.array) -> None:
-        self.draft.append_context(features, self.cache)
-
-    def chain(
-        self, root: mx.array, length: int, context: list[int] | None
-    ) -> tuple[mx.array, mx.array | None]:
-        block = mx.concatenate([root, mx.full((length,), self.mask)])
-        return self.draft.propose(block, self.embed, self.head, self.cache, self.choose, context)
-
-    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
-        return self.draft.tree(root, depth, self.embed, self.head, self.cache, budget, scores)
 
     @property
     def drafting(self) -> DrafterProposer:
@@ -124,20 +96,13 @@ class LookupProposer(Proposer):
         self.layer_ids = self.base.layer_ids
         self.nodes: list[int] = []  # the last tree's chain tokens' nodes
 
-    def observe(self, features: mx.array) -> None:
-        self.base.observe(features)
-
     def committed(self, tokens: list[int]) -> None:
         self.lookup.extend(tokens)
 
-    def chain(
-        self, root: mx.array, length: int, context: list[int] | None
-    ) -> tuple[mx.array, mx.array | None]:
-        return self.base.chain(root, length, context)
-
-    def tree(self, root: int, depth: int, budget: int, scores: TreeScores | None = None) -> Tree:
-        base = self.base.tree(root, depth, budget, scores)
-        tree, self.nodes = graft(base, *self.lookup.proposal(depth), budget)
+    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
+        tree, self.nodes = graft(
+            self.base.graft(tree, depth, budget), *self.lookup.proposal(depth), budget
+        )
         return tree
 
     @property
@@ -150,38 +115,49 @@ class LookupProposer(Proposer):
         self.base.verified(tree, path)
 
 
-def by_drafter(proposers: list[Proposer]) -> tuple[dict[int, list[int]], list[int]]:
-    """The indices of `proposers` grouped by the drafter module they draft with, and those
-    that draft alone."""
-    groups: dict[int, list[int]] = {}
-    alone = []
+def by_drafter(proposers: list[Proposer], *keys: list[int]) -> dict[tuple, list[int]]:
+    """The indices of the proposers that draft, grouped by the drafter module they draft
+    with (and by `keys[k][i]`, where rows must agree on more to share a forward)."""
+    groups: dict[tuple, list[int]] = {}
     for i, proposer in enumerate(proposers):
         drafting = proposer.drafting
-        if drafting is None:
-            alone.append(i)
-        else:
-            groups.setdefault(id(drafting.draft), []).append(i)
-    return groups, alone
+        if drafting is not None:
+            key = (id(drafting.draft), *[k[i] for k in keys])
+            groups.setdefault(key, []).append(i)
+    return groups
 
 
-def propose_chains(
+def block_rows(roots: list[int | mx.array], length: int, mask: int) -> mx.array:
+    """The drafter's blocks (rows, 1 + length): each root, then `length` mask tokens; a
+    root may be a token (1,) still on the device."""
+    if all(isinstance(root, int) for root in roots):
+        return mx.array([[root] + [mask] * length for root in roots])
+    masks = mx.full((length,), mask)
+    rows = [mx.concatenate([mx.array([r]) if isinstance(r, int) else r, masks]) for r in roots]
+    return rows[0][None] if len(rows) == 1 else mx.stack(rows)
+
+
+def chains(
     proposers: list[Proposer],
-    roots: list[int],
+    roots: list[int | mx.array],
     lengths: list[int],
     contexts: list[list[int] | None],
 ) -> list[tuple[mx.array, mx.array | None]]:
-    """Each proposer's chain of `lengths[i]` drafts after `roots[i]` (`Proposer.chain`);
-    those drafting with one drafter module share one drafter forward
-    (`DFlashDraft.propose_rows`)."""
+    """Each row's chain of up to `lengths[i]` drafts after `roots[i]` and their
+    log-probabilities q (None unless sampling; a drafter may stop short: a DSpark confidence
+    head); `contexts[i]` is every token up to the root, for logits processors. The rows
+    drafting with one drafter module share one drafter forward (`DFlashDraft.propose`)."""
     out: list = [None] * len(proposers)
-    groups, alone = by_drafter(proposers)
-    for i in alone + [g[0] for g in groups.values() if len(g) == 1]:
-        out[i] = proposers[i].chain(mx.array([roots[i]]), lengths[i], contexts[i])
-    for members in (g for g in groups.values() if len(g) > 1):
+    groups = by_drafter(proposers)
+    if sum(map(len, groups.values())) < len(proposers):
+        raise ValueError("this proposer drafts no chains: use a block size of 1")
+    for members in groups.values():
         drafters = [proposers[i].drafting for i in members]
-        first, longest = drafters[0], max(lengths[i] for i in members)
-        blocks = mx.array([[roots[i]] + [first.mask] * longest for i in members])
-        proposed = first.draft.propose_rows(
+        first = drafters[0]
+        blocks = block_rows(
+            [roots[i] for i in members], max(lengths[i] for i in members), first.mask
+        )
+        proposed = first.draft.propose(
             blocks,
             first.embed,
             first.head,
@@ -195,16 +171,60 @@ def propose_chains(
     return out
 
 
-def observe_rows(proposers: list[Proposer], features: mx.array, counts: list[int]) -> None:
-    """Hand each proposer the target's features (rows, n, ...) of its row's first `counts[i]`
-    positions (`Proposer.observe`); those drafting with one drafter module take them in one
-    drafter pass (`DFlashDraft.append_context_rows`)."""
-    groups, alone = by_drafter(proposers)
-    for i in alone:
-        proposers[i].observe(features[i : i + 1, : counts[i]])
-    for members in groups.values():
+def trees(
+    proposers: list[Proposer],
+    roots: list[int],
+    depths: list[int],
+    budgets: list[int],
+    scores: list[TreeScores | None],
+) -> list[Tree]:
+    """Each row's tree of up to `budgets[i]` draft tokens after `roots[i]`, at most
+    `depths[i]` deep, ranked by `scores[i]` of the drafter's logits (None: the logits
+    themselves), then grafted by its proposer (`Proposer.graft`: the prompt lookup's). The
+    rows drafting with one drafter module to one depth share one drafter forward
+    (`DFlashDraft.trees`); a row without a drafter starts from its root alone."""
+    out = [Tree([root], [-1], [0]) for root in roots]
+    for (_, depth), members in by_drafter(proposers, depths).items():
         drafters = [proposers[i].drafting for i in members]
+        first = drafters[0]
+        drafted = first.draft.trees(
+            [roots[i] for i in members],
+            depth,
+            first.embed,
+            first.head,
+            [d.cache for d in drafters],
+            [budgets[i] for i in members],
+            [scores[i] for i in members],
+        )
+        for i, tree in zip(members, drafted):
+            out[i] = tree
+    return [p.graft(tree, d, b) for p, tree, d, b in zip(proposers, out, depths, budgets)]
+
+
+def observe(proposers: list[Proposer], features: mx.array, kept: list[int | list[int]]) -> None:
+    """Hand each row's drafter the target's features (rows, n, len(layer_ids) x hidden) of
+    one forward's positions its row kept: the first `kept[i]` (an int) or those listed (a
+    tree's accepted path). The rows drafting with one drafter module take them in one
+    drafter pass (`DFlashDraft.append_context`); the others observe nothing."""
+    for members in by_drafter(proposers).values():
+        drafters = [proposers[i].drafting for i in members]
+        if len(members) == 1:
+            i = members[0]
+            index = mx.array(kept[i]) if isinstance(kept[i], list) else slice(kept[i])
+            rows = features if len(proposers) == 1 else features[i : i + 1]
+            drafters[0].draft.append_context(rows[:, index], [drafters[0].cache])
+            continue
         rows = features[mx.array(members)] if len(members) < len(proposers) else features
-        rows = rows[:, : max(counts[i] for i in members)]
-        caches = [d.cache for d in drafters]
-        drafters[0].draft.append_context_rows(rows, caches, [counts[i] for i in members])
+        counts = [len(kept[i]) if isinstance(kept[i], list) else kept[i] for i in members]
+        if any(isinstance(kept[i], list) for i in members):
+            longest = max(counts)
+            paths = [
+                kept[i] + [0] * (longest - len(kept[i]))
+                if isinstance(kept[i], list)
+                else list(range(kept[i])) + [0] * (longest - kept[i])
+                for i in members
+            ]
+            rows = mx.take_along_axis(rows, mx.array(paths)[:, :, None], axis=1)
+        else:
+            rows = rows[:, : max(counts)]
+        drafters[0].draft.append_context(rows, [d.cache for d in drafters], counts)

@@ -356,3 +356,107 @@ def reference_greedy(model: nn.Module, prompt: list[int], max_tokens: int, eos: 
         if token in eos:
             break
     return out
+
+
+class BlockByBlock:
+    """A test drafter whose draft logits are made for one block at a time
+    (`block_logits(block (L,), embed, lm_head, cache)`), each row's over its own cache."""
+
+    def draft_logits(self, blocks, embed, lm_head, caches):
+        rows = zip(blocks, caches)
+        return mx.stack([self.block_logits(b, embed, lm_head, c) for b, c in rows])
+
+
+def propose_one(draft, block, embed, head, cache, choose, context=None):
+    """`draft.propose` for one block (L,) = [root, mask, ...] over `cache`: (its drafts,
+    log q), as a lone reply's cycle asks for them."""
+    lengths = [block.shape[0] - 1]
+    return draft.propose(block[None], embed, head, [cache], [choose], [context], lengths)[0]
+
+
+def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
+    """A drafter's `append_context`, `propose` and `trees` over 3 rows (contexts of different
+    lengths, different lengths and budgets wanted) give each row what it gets alone
+    (R = 1): caches allclose 1e-6, drafts and trees equal, log q allclose 1e-5; and
+    `proposers.trees` of prompt lookups over it grafts each row as alone."""
+    from dflash_mlx import proposers
+    from dflash_mlx.sampling import make_logprobs_transform
+    from dflash_mlx.target import TargetAdapter
+
+    target = TargetAdapter(model)
+    head = target.draft_head(draft.config.draft_vocab)
+    width = len(draft.config.target_layer_ids) * target.hidden_size
+    contexts = [5, 9, 2]
+    features = mx.random.normal((3, max(contexts), width), key=mx.random.key(3))
+    alone, together = [draft.make_cache() for _ in contexts], [draft.make_cache() for _ in contexts]
+    for i, (cache, n) in enumerate(zip(alone, contexts)):
+        draft.append_context(features[i : i + 1, :n], [cache])
+    draft.append_context(features, together, contexts)
+    for a, t in zip(alone, together):
+        assert [c.offset for c in a] == [c.offset for c in t]
+        for x, y in zip(a, t):
+            assert mx.allclose(x.keys[..., : x.offset, :], y.keys[..., : y.offset, :], atol=1e-6)
+            assert mx.allclose(
+                x.values[..., : x.offset, :], y.values[..., : y.offset, :], atol=1e-6
+            )
+
+    transform = make_logprobs_transform(1.0)
+
+    def choose(logits, context=None):  # greedy, with the log q sampling would verify
+        return mx.argmax(logits, axis=-1), transform(logits)
+
+    mask, roots, lengths = draft.config.mask_token_id, [7, 19, 3], [4, 2, 3]
+    blocks = mx.array([[root] + [mask] * 4 for root in roots])
+    rows = draft.propose(
+        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, lengths
+    )
+    for i, (tokens, logq) in enumerate(rows):
+        own_tokens, own_logq = draft.propose(
+            blocks[i : i + 1],
+            target.embed_tokens,
+            head,
+            [together[i]],
+            [choose],
+            [None],
+            lengths[i : i + 1],
+        )[0]
+        assert tokens.tolist() == own_tokens.tolist() and tokens.size <= lengths[i]
+        assert mx.allclose(logq, own_logq, atol=1e-5)
+    if not tree_rows:
+        return
+
+    budgets = [5, 2, 7]
+    scores = [None, lambda logits, token_ids: logits / 2, None]
+    trees = draft.trees(roots, 3, target.embed_tokens, head, together, budgets, scores)
+    for i, tree in enumerate(trees):
+        own = draft.trees(
+            roots[i : i + 1],
+            3,
+            target.embed_tokens,
+            head,
+            [together[i]],
+            budgets[i : i + 1],
+            scores[i : i + 1],
+        )[0]
+        assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
+        assert len(tree) <= budgets[i] + 1
+
+    def lookups():
+        """Each row's prompt lookup over the drafter, its context ending on a repeat."""
+        prompts = [[4, 8, 15, 16, 23, 42, 8], [1, 2, 3, 1], [9, 9, 5, 6, 9]]
+        return [
+            proposers.LookupProposer(
+                prompt, proposers.DrafterProposer(draft, target, cache, choose)
+            )
+            for prompt, cache in zip(prompts, together)
+        ]
+
+    shared, depths = lookups(), [3, 3, 2]
+    grafted = proposers.trees(shared, roots, depths, budgets, [None] * 3)
+    for i, (tree, own_lookup) in enumerate(zip(grafted, lookups())):
+        own = proposers.trees(
+            [own_lookup], roots[i : i + 1], depths[i : i + 1], budgets[i : i + 1], [None]
+        )[0]
+        assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
+        assert shared[i].nodes == own_lookup.nodes
+    assert any(lookup.nodes for lookup in shared)  # the lookups grafted something

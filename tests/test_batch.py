@@ -4,13 +4,14 @@ reply equals its own greedy reply, whatever else shares its cycles, joins or lea
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import reference_greedy
+from helpers import reference_greedy, rows_equal_each_alone
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_families import NoisyOracleDraft as NoisyContinuation
 from test_sampling import SIGNIFICANCE, NoisyOracleDraft, chi2_pvalue, exact_second_token
 
 from dflash_mlx import make_batch, make_prompt_cache, stream_generate
-from dflash_mlx.sampling import make_logprobs_transform, make_verifier
+from dflash_mlx.proposers import DrafterProposer, Proposer, observe
+from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
 
 MAX_TOKENS = 40
@@ -137,36 +138,36 @@ def test_a_batch_of_one_is_the_single_reply_path(loaded):
 
 
 def test_one_drafter_forward_proposes_for_each_row_what_it_would_alone(loaded):
-    """`append_context_rows` and `propose_rows` against one row at a time, over contexts of
-    different lengths."""
+    """`append_context`, `propose` and `trees` over rows with contexts of different lengths,
+    against one row at a time (DFlash 1; DFlash 2 and DSpark: their own test files)."""
+    model, _, draft = loaded("llama-tied-gqa")
+    rows_equal_each_alone(draft, model)
+
+
+def test_observe_hands_each_row_its_kept_positions(loaded):
+    """`proposers.observe` over rows (a row without a drafter among them): each drafter
+    takes its row's first positions or its listed ones (a tree's path), as alone."""
     model, _, draft = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
-    head = target.draft_head(draft.config.draft_vocab)
     width = len(draft.config.target_layer_ids) * target.hidden_size
-    lengths = [5, 9, 2]
-    features = mx.random.normal((3, max(lengths), width), key=mx.random.key(3))
-    alone, together = [draft.make_cache() for _ in lengths], [draft.make_cache() for _ in lengths]
-    for i, (cache, n) in enumerate(zip(alone, lengths)):
-        draft.append_context(features[i : i + 1, :n], cache)
-    draft.append_context_rows(features, together, lengths)
-    for a, t in zip(alone, together):
-        assert [c.offset for c in a] == [c.offset for c in t]
-        assert all(mx.allclose(x.keys, y.keys, atol=1e-5) for x, y in zip(a, t))
-    mask = draft.config.mask_token_id
-    blocks = mx.array([[7, *[mask] * 4], [19, *[mask] * 4], [3, *[mask] * 4]])
-    sample = make_verifier(temperature=1.0).transform
-    choose = lambda logits, context: (mx.argmax(logits, axis=-1), sample(logits))  # noqa: E731
-    rows = draft.propose_rows(
-        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, [4, 4, 4]
-    )
-    for i, (tokens, logq) in enumerate(rows):
-        own_tokens, own_logq = draft.propose(blocks[i], target.embed_tokens, head, alone[i], choose)
-        assert tokens.tolist() == own_tokens.tolist()
-        assert mx.allclose(logq, own_logq, atol=1e-4)
-    shorter = draft.propose_rows(
-        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, [2, 4, 1]
-    )
-    assert [t.size for t, _ in shorter] == [2, 4, 1]
+    features = mx.random.normal((4, 6, width), key=mx.random.key(5))
+    kept = [3, 2, [0, 2, 5], 1]
+
+    def rows():
+        drafting = [DrafterProposer(draft, target, draft.make_cache(), None) for _ in range(3)]
+        return [drafting[0], Proposer(), *drafting[1:]]
+
+    shared, alone = rows(), rows()
+    observe(shared, features, kept)
+    for i, proposer in enumerate(alone):
+        observe([proposer], features[i : i + 1], kept[i : i + 1])
+    for s, a in zip(shared, alone):
+        if s.drafting is None:
+            continue
+        assert [c.offset for c in s.cache] == [c.offset for c in a.cache] != [0] * len(s.cache)
+        for x, y in zip(s.cache, a.cache):
+            assert mx.allclose(x.keys[..., : x.offset, :], y.keys[..., : y.offset, :], atol=1e-6)
+    assert [c.offset for c in shared[2].cache] == [3] * len(draft.layers)
 
 
 class RowsNoisyOracle(NoisyOracleDraft):
@@ -174,11 +175,8 @@ class RowsNoisyOracle(NoisyOracleDraft):
     plus fixed noise) for the rows of a shared cycle: what the cycle does with each row's q
     is under test, not the drafter's forward."""
 
-    def propose_rows(self, blocks, embed, lm_head, caches, chooses, contexts, lengths):
-        return [
-            choose(self.draft_logits(block[:2], embed, lm_head, cache), context)
-            for block, cache, choose, context in zip(blocks, caches, chooses, contexts)
-        ]
+    def propose(self, blocks, embed, lm_head, caches, chooses, contexts, lengths):
+        return super().propose(blocks[:, :2], embed, lm_head, caches, chooses, contexts, lengths)
 
 
 @pytest.mark.slow

@@ -27,8 +27,8 @@ def drafts_for(draft, model, contexts, blocks):
     out = []
     for features, block in zip(contexts, blocks):
         cache = draft.make_cache()
-        draft.append_context(features, cache)
-        logits = draft.draft_logits(block, target.embed_tokens, target.lm_head, cache)
+        draft.append_context(features, [cache])
+        logits = draft.draft_logits(block[None], target.embed_tokens, target.lm_head, [cache])[0]
         out.append(mx.argmax(logits, axis=-1))
     return np.array(mx.stack(out))
 
@@ -444,8 +444,8 @@ def test_context_window_attends_to_the_last_positions_only(published):
 
     def logits(drafter, context):
         cache = drafter.make_cache()
-        drafter.append_context(context, cache)
-        return drafter.draft_logits(block, target.embed_tokens, target.lm_head, cache)
+        drafter.append_context(context, [cache])
+        return drafter.draft_logits(block[None], target.embed_tokens, target.lm_head, [cache])[0]
 
     assert mx.allclose(logits(windowed, features), logits(draft, features[:, -8:]), atol=1e-4)
     assert not mx.allclose(logits(draft, features), logits(draft, features[:, -8:]), atol=1e-2)

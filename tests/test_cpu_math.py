@@ -200,7 +200,7 @@ def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(
     results = []
     for swapping in (True, False):
         draft_cache = draft.make_cache()
-        draft.append_context(features, draft_cache)
+        draft.append_context(features, [draft_cache])
         swaps = draft.block_swaps("cpu") if swapping else []
         norms = [m for m, _, _ in draft.block_swaps("cpu")]
         with backends.building(swaps):  # [] leaves every module's class as it is

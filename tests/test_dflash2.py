@@ -7,7 +7,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import DFLASH2, read_config, reference_greedy, save_draft
+from helpers import (
+    DFLASH2,
+    propose_one,
+    read_config,
+    reference_greedy,
+    rows_equal_each_alone,
+    save_draft,
+)
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue
 
@@ -169,7 +176,7 @@ def tiny_config(**fields) -> DFlashConfig:
 
 def block_output(draft: DFlashDraft, context: mx.array, block: mx.array) -> np.ndarray:
     cache = draft.make_cache()
-    draft.append_context(context, cache)
+    draft.append_context(context, [cache])
     return np.array(draft(block, cache)[0])
 
 
@@ -246,16 +253,24 @@ def test_selector_greedy_path_equals_the_published_rule(dflash2_pair, loaded):
         anchor = int(rng.integers(4, 300))
         block = mx.array([anchor] + [draft.config.mask_token_id] * (BLOCK - 1))
         cache = draft.make_cache()
-        draft.append_context(context, cache)
-        tokens, logq = draft.propose(block, target.embed_tokens, target.lm_head, cache, greedy)
+        draft.append_context(context, [cache])
+        tokens, logq = propose_one(draft, block, target.embed_tokens, target.lm_head, cache, greedy)
         assert logq is None
         cache = draft.make_cache()
-        draft.append_context(context, cache)
-        hidden = np.array(draft.mask_hidden(block, target.embed_tokens, cache), np.float64)
+        draft.append_context(context, [cache])
+        hidden = np.array(
+            draft.mask_hidden(block[None], target.embed_tokens, [cache])[0], np.float64
+        )
         expected = numpy_selector_path(draft, hidden, head_weight, anchor)
         assert tokens.tolist() == expected
         differs += expected != np.argmax(hidden @ head_weight.T, axis=-1).tolist()
     assert differs  # the codebooks matter: the walk is not just the per-position argmax
+
+
+def test_selector_rows_equal_each_alone(dflash2_pair, loaded):
+    """One drafter forward over rows: each row's selector walk and selector tree are its own."""
+    model, _, _ = loaded("qwen3-tied-gqa")
+    rows_equal_each_alone(load_draft(dflash2_pair("qwen3-tied-gqa")[1]), model)
 
 
 def test_sampled_walk_keeps_speculative_sampling_exact():
@@ -331,7 +346,7 @@ def test_training_forward_equals_inference_for_dflash2_layers(is_causal):
     hidden = block_hidden(draft, embed, features, ids, anchors)
     for i, p in enumerate(anchors):
         cache = draft.make_cache()
-        draft.append_context(features[None, :p], cache)
+        draft.append_context(features[None, :p], [cache])
         block = mx.array([int(ids[p])] + [49] * 5)
         expected = draft(embed(block[None]) * 0.5, cache)[0]
         assert mx.abs(expected - hidden[i]).max().item() < 1e-4

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import copy_dir, reference_greedy
+from helpers import BlockByBlock, copy_dir, reference_greedy
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token, sample_runs
 
@@ -34,8 +34,8 @@ class RecordingDraft(DFlashDraft):
         self.update(draft.parameters())
         object.__setattr__(self, "seen", [])
 
-    def draft_logits(self, block, embed, lm_head, cache):
-        logits = super().draft_logits(block, embed, lm_head, cache)
+    def draft_logits(self, blocks, embed, lm_head, caches):
+        logits = super().draft_logits(blocks, embed, lm_head, caches)
         self.seen.append(logits)
         return logits
 
@@ -52,7 +52,7 @@ def assert_inside(drafter: RecordingDraft) -> None:
     assert drafter.seen
     for logits in drafter.seen:
         finite = np.isfinite(np.array(logits))
-        assert finite[:, inside].all() and not finite[:, ~inside].any()
+        assert finite[..., inside].all() and not finite[..., ~inside].any()
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-untied-mha"])
@@ -82,7 +82,7 @@ def test_sampled_drafts_stay_inside_and_are_accepted(loaded):
     assert_inside(drafter)
 
 
-class RestrictedNoisyOracle(DFlashDraft):
+class RestrictedNoisyOracle(BlockByBlock, DFlashDraft):
     """First cycle only: the target's own last hidden state through the restricted head,
     plus noise, so q is 0 outside the draft vocabulary and overlaps p inside it."""
 
@@ -93,7 +93,7 @@ class RestrictedNoisyOracle(DFlashDraft):
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "noise", 1.0 * mx.random.normal((draft.config.vocab_size,)))
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         hidden = self.target.model(mx.array([self.prompt + block[:1].tolist()]))[0, -1:]
         return lm_head(hidden) + self.noise
 

@@ -10,7 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import layer_tensors, read_config, reference_greedy
+from helpers import (
+    layer_tensors,
+    propose_one,
+    read_config,
+    reference_greedy,
+    rows_equal_each_alone,
+)
 from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 
@@ -314,17 +320,26 @@ def test_markov_walk_and_confidence_follow_the_reference(dspark_pair, loaded, la
     draft.verify_cost = None
     cache = draft.make_cache()
     features = mx.random.normal((1, 7, 2 * target.hidden_size), key=mx.random.key(0))
-    draft.append_context(features, cache)
-    root = mx.array([42])
-    hidden = draft.slot_hidden(root, GAMMA, target.embed_tokens, cache)
-    block = mx.concatenate([root, mx.full((GAMMA,), draft.config.mask_token_id)])
-    tokens, _ = draft.propose(
-        block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
+    draft.append_context(features, [cache])
+    block = mx.array([42] + [draft.config.mask_token_id] * GAMMA)
+    hidden = draft.slot_hidden(block[None], target.embed_tokens, [cache])[0]
+    tokens, _ = propose_one(
+        draft, block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
     )
     expected, confidence = numpy_walk(draft, hidden, target.head.weight, 42)
     assert tokens.tolist() == expected
     prev = mx.array([42, *expected[:-1]])
     np.testing.assert_allclose(draft.confidence(hidden, prev), confidence, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "gated", "deepspec-dflash", "rnn"])
+def test_rows_equal_each_alone(dspark_pair, loaded, layout):
+    """One drafter forward over rows: each row's Markov walk, confidence cut and Markov tree
+    are its own (an rnn head drafts chains alone; `deepspec-dflash`: no heads)."""
+    model, _, _ = loaded("qwen3-untied-mha")
+    draft = load_draft(dspark_pair(layout)[1])
+    assert draft.verify_cost is not None or layout == "deepspec-dflash"  # the cut runs
+    rows_equal_each_alone(draft, model, tree_rows=layout != "rnn")
 
 
 class OracleDSpark(DSparkDraft):
@@ -336,15 +351,15 @@ class OracleDSpark(DSparkDraft):
         self.update(draft.parameters())
         self.verify_cost = None
         object.__setattr__(self, "sequence", sequence)
-        object.__setattr__(self, "start", 0)
 
-    def slot_hidden(self, root, drafts, embed, cache):
-        object.__setattr__(self, "start", cache[0].offset)
-        return super().slot_hidden(root, drafts, embed, cache)
+    def slot_hidden(self, blocks, embed, caches):
+        object.__setattr__(self, "starts", [cache[0].offset for cache in caches])
+        return super().slot_hidden(blocks, embed, caches)
 
     def head_logits(self, hidden, lm_head):
-        truth = mx.array(self.sequence[self.start + 1 : self.start + 1 + hidden.shape[0]])
-        return 1000.0 * mx.eye(self.config.vocab_size)[truth]
+        n, eye = hidden.shape[1], mx.eye(self.config.vocab_size)
+        truths = [self.sequence[start + 1 : start + 1 + n] for start in self.starts]
+        return 1000.0 * eye[mx.array(truths)]
 
 
 def test_oracle_dspark_is_fully_accepted_at_its_own_width(dspark_pair, loaded):
@@ -407,21 +422,22 @@ class NoisyOracleDSpark(ParityConfidence):
         for name, value in dict(target=model, prompt=prompt, noise=noise, rows={}, at=None).items():
             object.__setattr__(self, name, value)
 
-    def slot_hidden(self, root, drafts, embed, cache):
-        object.__setattr__(self, "at", (cache[0].offset, root.item()))
-        return super().slot_hidden(root, drafts, embed, cache)
+    def slot_hidden(self, blocks, embed, caches):
+        (cache,) = caches  # the replies of this test decode alone
+        object.__setattr__(self, "at", (cache[0].offset, blocks[0, 0].item()))
+        return super().slot_hidden(blocks, embed, caches)
 
     def head_logits(self, hidden, lm_head):
-        n, (offset, root) = hidden.shape[0], self.at
+        n, (offset, root) = hidden.shape[1], self.at
         if offset != len(self.prompt):
-            return mx.zeros((n, self.config.vocab_size))
+            return mx.zeros((1, n, self.config.vocab_size))
         if (root, n) not in self.rows:
             path = self.prompt + [root]
             for _ in range(n - 1):
                 path.append(int(mx.argmax(self.target(mx.array([path]))[0, -1])))
             rows = self.target(mx.array([path]))[0, -n:] + 1.5 * self.noise[:n]
             self.rows[root, n] = mx.eval(rows) or rows
-        return self.rows[root, n]
+        return self.rows[root, n][None]
 
 
 @pytest.mark.slow

@@ -329,7 +329,7 @@ class NoisyOracleDraft(OracleDraft):
     """The true continuation with one token wrong at a pseudo-random place (or none), so that
     every cycle rolls back a different number of positions, 0 to block_size - 1."""
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         start, n = cache[0].offset, block.shape[0] - 1
         truth = self.sequence[start + 1 : start + 1 + n]
         wrong = int(np.random.default_rng(start).integers(0, n + 1))

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import copy_dir, reference_greedy, set_eos
+from helpers import BlockByBlock, copy_dir, reference_greedy, set_eos
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -42,7 +42,7 @@ def test_greedy_equals_mlx_lm_across_families(loaded, name, block_size):
     assert tokens == expected
 
 
-class OracleDraft(DFlashDraft):
+class OracleDraft(BlockByBlock, DFlashDraft):
     """Proposes the target's true greedy continuation: every draft must be accepted."""
 
     def __init__(self, draft: DFlashDraft, sequence: list[int]):
@@ -50,7 +50,7 @@ class OracleDraft(DFlashDraft):
         self.update(draft.parameters())
         object.__setattr__(self, "sequence", sequence)
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         start = cache[0].offset
         truth = mx.array(self.sequence[start + 1 : start + block.shape[0]])
         return 100.0 * mx.eye(self.config.vocab_size)[truth]

@@ -74,20 +74,14 @@ def fail_observing(reply, prompt, monkeypatch):
     """The drafter fails to take in the target's features of the culprit's kept positions
     (shared: in one drafter pass for all rows, as the cycle settles)."""
     draft = reply.seq.proposer.draft
-    append, append_rows = draft.append_context, draft.append_context_rows
+    append = draft.append_context
 
-    def failing(features, cache):
-        if cache is reply.seq.proposer.cache and grown(reply, prompt):
-            raise Boom("observing")
-        return append(features, cache)
-
-    def failing_rows(features, caches, counts):
+    def failing(features, caches, counts=None):
         if any(c is reply.seq.proposer.cache for c in caches) and grown(reply, prompt):
             raise Boom("observing")
-        return append_rows(features, caches, counts)
+        return append(features, caches, counts)
 
     monkeypatch.setattr(draft, "append_context", failing)
-    monkeypatch.setattr(draft, "append_context_rows", failing_rows)
 
 
 def fail_forward(reply, prompt, monkeypatch):

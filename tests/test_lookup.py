@@ -145,7 +145,7 @@ class WrongOracle(OracleDraft):
     """Sure of a wrong token at every position, and least of all of the true one: no tree
     node it proposes is ever accepted."""
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         start, vocab = cache[0].offset, self.config.vocab_size
         truth = mx.array(self.sequence[start + 1 : start + block.shape[0]])
         eye = mx.eye(vocab)

@@ -4,6 +4,7 @@ distribution (chi-square against exactly computed target probabilities, p-value 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import BlockByBlock
 from mlx_lm.sample_utils import apply_top_p, make_presence_penalty, make_sampler
 from scipy.stats import chisquare, gumbel_r, kstest
 
@@ -184,7 +185,7 @@ def exact_second_token(model, prompt: list[int], transform) -> np.ndarray:
     return p1[support] @ p2
 
 
-class NoisyOracleDraft(DFlashDraft):
+class NoisyOracleDraft(BlockByBlock, DFlashDraft):
     """For the first cycle after `prompt`: the target's own next-token logits plus fixed noise,
     so the drafter's q overlaps the target's p without equalling it."""
 
@@ -195,7 +196,7 @@ class NoisyOracleDraft(DFlashDraft):
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "noise", 1.5 * mx.random.normal((draft.config.vocab_size,)))
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         assert cache[0].offset == len(self.prompt) and block.shape[0] == 2
         context = mx.array([self.prompt + block[:1].tolist()])
         return self.target(context)[0, -1:] + self.noise
@@ -315,7 +316,7 @@ def exact_marginals(model, prompt: list[int], transform, depth: int) -> list[np.
     return marginals
 
 
-class NoisyBlockOracleDraft(DFlashDraft):
+class NoisyBlockOracleDraft(BlockByBlock, DFlashDraft):
     """First cycle after `prompt`: row j is the target's next-token logits along its greedy
     path plus fixed noise, so drafts are often but not always accepted at every depth.
     Later cycles draft from uniform logits (speculative sampling is exact for any q)."""
@@ -329,7 +330,7 @@ class NoisyBlockOracleDraft(DFlashDraft):
         object.__setattr__(self, "noise", noise)
         object.__setattr__(self, "rows", {})  # per first token: the same rows every run
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         n = block.shape[0] - 1
         if cache[0].offset != len(self.prompt):
             return mx.zeros((n, self.config.vocab_size))

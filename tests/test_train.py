@@ -93,7 +93,7 @@ def test_training_forward_equals_inference_per_block(tiny, window):
     logits = target.lm_head(block_hidden(draft, target.embed_tokens, feats, ids, anchors))
     for i, p in enumerate(anchors):
         cache = draft.make_cache()
-        draft.append_context(feats[None, :p], cache)
+        draft.append_context(feats[None, :p], [cache])
         block = mx.array([int(ids[p])] + [draft.config.mask_token_id] * 7)
         ref = target.lm_head(draft(target.embed_tokens(block[None]), cache))[0]
         assert mx.abs(ref - logits[i]).max().item() < 1e-4
@@ -294,7 +294,7 @@ def test_exports_load_and_agree(tiny, tmp_path):
         dflash_mlx.load_draft(tmp_path / "published"),
     ):
         cache = d.make_cache()
-        d.append_context(feats, cache)
+        d.append_context(feats, [cache])
         outs.append(d(embedded, cache))
     assert mx.allclose(outs[0], outs[1]).item() and mx.allclose(outs[0], outs[2]).item()
     assert mx.abs(outs[0][0, 0] - outs[0][0, 1]).max().item() > 1e-3  # the token mattered

@@ -274,13 +274,15 @@ def test_a_dflash1_drafter_grows_into_a_dflash2_one_that_drafts_the_same(tiny):
 
     block = mx.array([int(ids[10])] + [grown.config.mask_token_id] * 5)
     cache = grown.make_cache()
-    grown.append_context(feats[None, :10], cache)
-    tokens, _ = grown.propose(
-        block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
+    grown.append_context(feats[None, :10], [cache])
+    tokens, _ = helpers.propose_one(
+        grown, block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
     )
     cache = source.make_cache()
-    source.append_context(feats[None, :10], cache)
-    argmax = mx.argmax(source.draft_logits(block, target.embed_tokens, target.lm_head, cache), -1)
+    source.append_context(feats[None, :10], [cache])
+    argmax = mx.argmax(
+        source.draft_logits(block[None], target.embed_tokens, target.lm_head, [cache])[0], -1
+    )
     assert tokens.tolist() == argmax.tolist()
 
 
@@ -339,9 +341,11 @@ def test_the_selector_learns_transitions_the_unary_logits_cannot_see(tiny):
     accepted = []
     for a in anchors[:20]:
         cache = trainer.draft.make_cache()
-        trainer.draft.append_context(seq.features[None, :a], cache)
+        trainer.draft.append_context(seq.features[None, :a], [cache])
         block = mx.array([int(seq.ids[a])] + [trainer.draft.config.mask_token_id] * 5)
-        tokens, _ = trainer.draft.propose(block, target.embed_tokens, target.lm_head, cache, greedy)
+        tokens, _ = helpers.propose_one(
+            trainer.draft, block, target.embed_tokens, target.lm_head, cache, greedy
+        )
         accepted.append(int(np.cumprod(np.array(tokens) == seq.ids[a + 1 : a + 6]).sum()))
     assert accepted == np.cumprod(hits, axis=1).sum(1).tolist()
     assert max(accepted) >= 2

@@ -256,9 +256,9 @@ def test_a_dflash1_drafter_grown_into_dspark_drafts_what_it_did(tiny):
     drafts = []
     for draft in (source, grown):
         cache = draft.make_cache()
-        draft.append_context(feats[None, :10].astype(mx.float32), cache)
-        tokens, _ = draft.propose(
-            block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
+        draft.append_context(feats[None, :10].astype(mx.float32), [cache])
+        tokens, _ = helpers.propose_one(
+            draft, block, target.embed_tokens, target.lm_head, cache, make_verifier().propose
         )
         drafts.append(tokens.tolist())
     assert drafts[0] == drafts[1] and len(drafts[0]) == 5

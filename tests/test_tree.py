@@ -192,7 +192,7 @@ class RunnerUpOracle(OracleDraft):
     """The true continuation as every position's second choice, behind a wrong first choice:
     a chain accepts nothing, a tree that holds runners-up accepts them."""
 
-    def draft_logits(self, block, embed, lm_head, cache):
+    def block_logits(self, block, embed, lm_head, cache):
         start, vocab = cache[0].offset, self.config.vocab_size
         truth = mx.array(self.sequence[start + 1 : start + block.shape[0]])
         wrong = (truth + 1) % vocab
