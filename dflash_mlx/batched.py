@@ -1,6 +1,6 @@
 """One verify cycle shared by several replies (`BatchedChain`): each reply's drafter
 proposes its chain, the target verifies every reply's [last token] + drafts in one
-forward (`TargetAdapter.forward_rows`: each row attends to its own caches), and each
+forward (`TargetAdapter.forward` over the rows: each attends to its own caches), and each
 reply accepts its own prefix.
 
 Rows verify as many positions as the longest chain; a shorter row's extra positions
@@ -82,7 +82,7 @@ class SharedCycle:
     replies: list[Reply]
     rows: list[Row]
     positions: int
-    features: dict[int, mx.array]
+    features: mx.array | None
     started: float
     marks: list[Mark]
 
@@ -93,17 +93,15 @@ class BatchedChain:
     def __init__(self, target: TargetAdapter, policy: BatchedBlock):
         self.target, self.policy = target, policy
 
-    def launch(self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array]) -> SharedCycle:
+    def launch(self, roots: list[tuple[Reply, int]]) -> SharedCycle:
         """The cycle after each reply's `root`: drafts as the policy plans for this many
         rows (fewer for a reply near its end or capped lower), one verify forward. A failure
         is raised with every reply back where it stood (`Mark`)."""
         marks = [Mark.of(reply.seq) for reply, _ in roots]
         with put_back_on_failure([reply for reply, _ in roots], marks):
-            return self._launch(roots, sink, marks)
+            return self._launch(roots, marks)
 
-    def _launch(
-        self, roots: list[tuple[Reply, int]], sink: dict[int, mx.array], marks: list[Mark]
-    ) -> SharedCycle:
+    def _launch(self, roots: list[tuple[Reply, int]], marks: list[Mark]) -> SharedCycle:
         started = time.perf_counter()
         drafts = self.policy.plan(len(roots))
         wanted, contexts = [], []
@@ -135,8 +133,9 @@ class BatchedChain:
                 for root, block in blocks
             ]
         )
-        logits = self.target.forward_rows(tokens, [r.seq.cache for r, *_ in rows])
-        features = dict(sink)
+        taps = next(filter(None, (r.seq.proposer.layer_ids for r, *_ in rows)), None)
+        forward = self.target.forward(tokens, [r.seq.cache for r, *_ in rows], taps=taps)
+        logits = forward.logits
         out = []
         for i, (reply, root, chain, logq, context) in enumerate(rows):
             size = chain.size + 1
@@ -146,7 +145,7 @@ class BatchedChain:
             [p for row in out for p in (row.drafts, row.verdict.accepted, row.verdict.token)]
         )
         replies = [reply for reply, *_ in rows]
-        return SharedCycle(replies, out, positions, features, started, marks)
+        return SharedCycle(replies, out, positions, forward.features, started, marks)
 
     def settle(self, cycle: SharedCycle) -> list[tuple[Reply, Commit]]:
         """Read every row's verdict at once and commit each reply's accepted prefix. A
@@ -172,8 +171,7 @@ class BatchedChain:
             tried.append((row.size - 1, accepted))
         observing = [i for i, r in enumerate(cycle.replies) if r.seq.proposer.layer_ids]
         if observing:
-            layer_ids = cycle.replies[observing[0]].seq.proposer.layer_ids
-            features = mx.concatenate([cycle.features[j] for j in layer_ids], axis=-1)
+            features = cycle.features
             if len(observing) < len(cycle.replies):
                 features = features[mx.array(observing)]
             proposers = [cycle.replies[i].seq.proposer for i in observing]
@@ -187,4 +185,5 @@ class BatchedChain:
         i = cycle.replies.index(reply)
         reply.seq.target.rollback(reply.seq.cache, cycle.positions)
         del cycle.replies[i], cycle.rows[i], cycle.marks[i]
-        cycle.features = {j: mx.concatenate([f[:i], f[i + 1 :]]) for j, f in cycle.features.items()}
+        if cycle.features is not None:
+            cycle.features = mx.concatenate([cycle.features[:i], cycle.features[i + 1 :]])

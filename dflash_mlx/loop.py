@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import wired_limit
 
 from .adaptive import BatchedBlock
 from .batched import BatchedChain
@@ -42,7 +41,7 @@ def prefill(reply: Reply, start: int) -> Commit:
     position) and commit the target's choice after it, telling `prompt_progress` how much
     of it has run as mlx-lm does: 0 first, after each chunk, all once the token is read."""
     seq, prompt, step = reply.seq, reply.prompt, reply.prefill_step_size
-    model, cache = seq.target.model, seq.cache
+    target, cache, taps = seq.target, seq.cache, seq.proposer.layer_ids
     every_cache = cache + seq.prompt_cache.draft
     progress = reply.prompt_progress or (lambda processed, total: None)
     total = len(prompt) - start
@@ -51,12 +50,13 @@ def prefill(reply: Reply, start: int) -> Commit:
     # last one alone, as mlx-lm does: the LM head never sees more than one row.
     for chunk_start in range(start, len(prompt) - 1, step):
         chunk_end = min(chunk_start + step, len(prompt) - 1)
-        model(mx.array(prompt[chunk_start:chunk_end])[None], cache=cache)
-        seq.keep(None)
+        chunk = mx.array(prompt[chunk_start:chunk_end])[None]
+        seq.keep(target.forward(chunk, [cache], taps=taps, prompt=True).features, None)
         mx.eval([c.state for c in every_cache])
         progress(chunk_end - start, total)
-    logits = model(mx.array(prompt[-1:])[None], cache=cache)
-    seq.keep(None)
+    forward = target.forward(mx.array(prompt[-1:])[None], [cache], taps=taps, prompt=True)
+    logits = forward.logits
+    seq.keep(forward.features, None)
     seq.verifier.at(len(prompt), seq.target.vocab_size)
     first = seq.verifier.verify(mx.array([], dtype=mx.uint32), None, logits[0, -1:], prompt)
     token = first.token.item()
@@ -69,8 +69,8 @@ class Batch:
 
     `chain` runs the cycles that several replies share; without one (or on a target
     whose caches cannot share a forward) each reply takes its own step in turn.
-    While the batch holds replies the target's tapped layers are captured (one capture
-    for all) and its weights kept wired, as mlx-lm does while generating.
+    While the batch holds replies it holds the target (`TargetAdapter.generating`: one
+    generation per model, its weights wired as mlx-lm keeps them while generating).
     """
 
     def __init__(
@@ -86,9 +86,7 @@ class Batch:
         self.replies: list[Reply] = []
         self.joining: list[Reply] = []
         self.shared: Any = None  # the shared cycle launched, if any
-        self.layer_ids: list[int] | None = None
-        self.caches: set[int] = set()  # ids of the caches whose forwards are captured
-        self.sink: dict[int, mx.array] = {}
+        self.layer_ids: list[int] | None = None  # the layers the replies tap
         self.held: ExitStack | None = None
 
     def add(self, reply: Reply) -> None:
@@ -96,19 +94,16 @@ class Batch:
         layer_ids, taps = reply.seq.proposer.layer_ids, self.layer_ids or self._joining_taps()
         if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")
-        self.caches.update(map(id, reply.seq.cache))
         self.joining.append(reply)
 
     def _hold(self) -> None:
-        """Before a cycle with replies joining: the target's weights wired and, once a reply
-        taps its layers, the capture open."""
+        """Before a cycle with replies joining: the target held (`TargetAdapter.generating`)
+        and the layers the replies tap noted."""
         if self.held is None:
-            self.held = ExitStack()
-            self.held.enter_context(wired_limit(self.target.model))
-        taps = self._joining_taps()
-        if taps and self.layer_ids is None:
-            self.layer_ids = taps
-            self.sink = self.held.enter_context(self.target.capture(taps, self.caches))
+            held = ExitStack()
+            held.enter_context(self.target.generating())
+            self.held = held
+        self.layer_ids = self.layer_ids or self._joining_taps()
 
     def _joining_taps(self) -> list[int] | None:
         """The target layers the first joining reply that taps any taps."""
@@ -126,10 +121,9 @@ class Batch:
             elif reply.pending is not None:
                 reply.step.cancel(reply.pending)
             reply.pending = None
-        self.caches.difference_update(map(id, reply.seq.cache))
         if not self.replies and not self.joining and self.held is not None:
             self.held.close()
-            self.held, self.sink, self.layer_ids = None, {}, None
+            self.held, self.layer_ids = None, None
 
     def cycle(self) -> None:
         """Advance every reply by one cycle: each gets its next commit (`Reply.commits`), or
@@ -197,11 +191,9 @@ class Batch:
     def _settle_own(self, reply: Reply) -> Commit:
         commit = reply.step.settle(reply.pending, reply.remaining, reply.started)
         reply.pending = None
-        self._keep_features(reply)
         return commit
 
     def _prefill(self, reply: Reply) -> Commit:
-        reply.seq.features = self.sink
         start = reply.seq.prompt_cache.reuse(reply.prompt)
         commit = prefill(reply, start)
         reply.seq.prompt_cache.tokens = list(reply.prompt)
@@ -226,9 +218,9 @@ class Batch:
 
     def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
         """The next cycle of every reply going on: one cycle shared by those that may share
-        (`_shares`) when there are several, each of the others its own step's (which reads
-        and records the features of the forward it runs). Where the shared one fails to
-        launch, its replies are back where they stood and each launches alone."""
+        (`_shares`) when there are several, each of the others its own step's. Where the
+        shared one fails to launch, its replies are back where they stood and each launches
+        alone."""
         sharing = [(r, c) for r, c in going_on if self._shares(r)] if self.chain else []
         alone = []
         if len(sharing) > 1:
@@ -238,7 +230,7 @@ class Batch:
                     commit.queued = None
             roots = [(reply, commit.tokens[-1]) for reply, commit in sharing]
             try:
-                self.shared = self.chain.launch(roots, self.sink)
+                self.shared = self.chain.launch(roots)
             except Exception:
                 alone = roots
             going_on = [(r, c) for r, c in going_on if (r, c) not in sharing]
@@ -251,13 +243,6 @@ class Batch:
 
     def _launch_alone(self, reply: Reply, root: int) -> None:
         reply.pending = reply.step.launch(root, reply.remaining)
-        self._keep_features(reply)
-
-    def _keep_features(self, reply: Reply) -> None:
-        """After a forward of the reply's own step: the features its step reads next. One
-        reply reads the live capture (a pipelined one gathers the ranks' layers as it is
-        read); each of several keeps its own forward's, which the next one's overwrites."""
-        reply.seq.features = dict(self.sink) if len(self.replies) > 1 else self.sink
 
     @staticmethod
     def _shares(reply: Reply) -> bool:

@@ -24,7 +24,7 @@ from .prompt_cache import PromptCache
 from .proposers import Proposer
 from .rollback import keep_path
 from .sampling import Verdict, Verifier
-from .target import TargetAdapter
+from .target import TargetAdapter, TreeShape
 from .tree import Tree, ancestor_mask, read_together, walk
 
 PREFILL_STEP = 2048  # prompt tokens per prefill forward by default, as mlx-lm's
@@ -61,18 +61,15 @@ class Sequence:
     ):
         self.target, self.prompt_cache, self.cache = target, prompt_cache, prompt_cache.target
         self.proposer, self.verifier = proposer, verifier
-        self.features: dict[int, mx.array] = {}
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_cache.tokens
 
-    def keep(self, rows: int | list[int] | None) -> None:
-        """Hand the proposer the features of the last forward's first `rows` positions (all:
-        None; a tree's accepted path: its node indices)."""
-        layer_ids = self.proposer.layer_ids
-        if layer_ids:
-            features = mx.concatenate([self.features[i] for i in layer_ids], axis=-1)
+    def keep(self, features: mx.array | None, rows: int | list[int] | None) -> None:
+        """Hand the proposer the `features` (1, n, ...) of a forward's first `rows` positions
+        (all: None; a tree's accepted path: its node indices); None: it taps no layers."""
+        if features is not None:
             index = mx.array(rows) if isinstance(rows, list) else slice(rows)
             self.proposer.observe(features[:, index])
 
@@ -124,6 +121,7 @@ class PendingChain:
     size: int
     drafts: mx.array
     verdict: Verdict
+    features: mx.array | None  # the target's features at the verified positions
     launching: float = 0.0  # host seconds spent building it while the cycle before ran
     waited: float = 0.0  # seconds its launch waited for the cycle before's token (that cycle's)
 
@@ -156,10 +154,11 @@ class ChainStep:
             verify = mx.concatenate([root_id, drafts.astype(root_id.dtype)])
         else:
             drafts, logq, verify = mx.array([], dtype=mx.uint32), None, root_id
-        logits = seq.target.forward(verify, seq.cache)
-        verdict = seq.verifier.verify(drafts, logq, logits, context)
+        forward = seq.target.forward(verify[None], [seq.cache], taps=seq.proposer.layer_ids)
+        verdict = seq.verifier.verify(drafts, logq, forward.logits[0], context)
         mx.async_eval(drafts, verdict.accepted, verdict.token)
-        return PendingChain(root if isinstance(root, int) else None, n, drafts, verdict)
+        root = root if isinstance(root, int) else None
+        return PendingChain(root, n, drafts, verdict, forward.features)
 
     def settle(
         self,
@@ -179,7 +178,7 @@ class ChainStep:
             # it, as mlx-lm's decoding does, so that on a GPU building the next graph
             # overlaps this step's computation.
             seq.target.rollback(seq.cache, 0)
-            seq.keep(1)
+            seq.keep(pending.features, 1)
             seq.tokens.append(pending.root)
             tic = time.perf_counter()
             launch = launch or self.launch
@@ -195,7 +194,7 @@ class ChainStep:
             self.policy.record(Cycle(n - 1, accepted, seconds + pending.launching))
         if not queued:
             seq.target.rollback(seq.cache, n - accepted - 1)
-            seq.keep(accepted + 1)
+            seq.keep(pending.features, accepted + 1)
             seq.tokens.extend([pending.root, *drafts[:accepted]])
         logits = verdict.logits[: accepted + 1]
         return Commit(drafts[:accepted] + [token], logits, accepted, n - 1, queued=queued)
@@ -215,6 +214,7 @@ class PendingTree:
     logits: mx.array
     choices: mx.array | None
     proposed: bool
+    features: mx.array | None  # as `PendingChain`'s, at every node
     launching: float = 0.0  # as `PendingChain`'s
     waited: float = 0.0  # as `PendingChain`'s
 
@@ -247,8 +247,11 @@ class TreeStep:
             if policy:
                 tree = tree.first(policy.fit(tree.probabilities()) + 1)
         start = seq.cache[0].offset
-        with seq.target.tree_attention(seq.cache, tree.depths, ancestor_mask(tree.parents)):
-            logits = seq.target.forward(mx.array(tree.tokens), seq.cache)
+        shape = TreeShape(tree.depths, ancestor_mask(tree.parents))
+        forward = seq.target.forward(
+            mx.array(tree.tokens)[None], [seq.cache], [shape], seq.proposer.layer_ids
+        )
+        logits = forward.logits[0]
         # The target's own choice at every node: its argmax, its coupled choice at the node's
         # position, or its sample (a node is then accepted when the target's sample at its
         # parent is the node's token: every committed token is the target's own sample, so
@@ -259,7 +262,7 @@ class TreeStep:
         during_walk = verifier.processors or verifier.chooses_per_row
         choices = None if during_walk else verifier.choices(logits, positions)
         mx.async_eval(logits if choices is None else choices)
-        return PendingTree(tree, start, logits, choices, depth > 0)
+        return PendingTree(tree, start, logits, choices, depth > 0, forward.features)
 
     def settle(self, pending: PendingTree, remaining: int, started: float) -> Commit:
         seq, tree, logits = self.seq, pending.tree, pending.logits
@@ -283,7 +286,7 @@ class TreeStep:
         if pending.proposed:
             seq.proposer.verified(tree, path)
         keep_path(seq.cache, pending.start, path)
-        seq.keep(path)
+        seq.keep(pending.features, path)
         tokens = [tree.tokens[node] for node in path]
         seq.tokens.extend(tokens)
         accepted = len(path) - 1
@@ -302,7 +305,7 @@ class SwitchStep:
 
     A plain step queues the next cycle on its token while still on the device; a tree
     planned there waits for that token. A target whose attention refuses its first tree
-    forward (`hooks.tree_attention`) gets that forward undone and chains from then on.
+    forward (`hooks.hooked`) gets that forward undone and chains from then on.
     """
 
     def __init__(self, chain: ChainStep, tree: TreeStep, policy: AdaptiveStrategy):
