@@ -1,4 +1,4 @@
-"""What a verify forward shared by several replies costs (`TargetAdapter.forward_rows`).
+"""What a verify forward shared by several replies costs (`TargetAdapter.forward`, rows).
 
     python benchmarks/batched_forward.py                     # rows 1,2,4,8; positions 1,2,3,4,8
     python benchmarks/batched_forward.py --rows 4 --positions 1,4 --repeats 20
@@ -63,16 +63,18 @@ def main() -> None:
     caches = []
     for _ in range(max(rows)):
         cache = target.make_cache()
-        mx.eval(target.forward(mx.array(rng.integers(0, vocab, args.context)), cache))
+        mx.eval(target.forward(mx.array(rng.integers(0, vocab, (1, args.context))), [cache]).logits)
         caches.append(cache)
 
     def shared(b: int, n: int) -> mx.array:
-        out = target.forward_rows(mx.array(rng.integers(0, vocab, (b, n))), caches[:b])
+        out = target.forward(mx.array(rng.integers(0, vocab, (b, n))), caches[:b]).logits
         target_rollback(b, n)
         return out
 
     def separate(b: int, n: int) -> list[mx.array]:
-        outs = [target.forward(mx.array(rng.integers(0, vocab, n)), c) for c in caches[:b]]
+        outs = [
+            target.forward(mx.array(rng.integers(0, vocab, (1, n))), [c]).logits for c in caches[:b]
+        ]
         target_rollback(b, n)
         return outs
 

@@ -68,6 +68,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx import GenerationResponse, TargetAdapter, load, load_draft, stream_generate
 from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.target import TreeShape
 from dflash_mlx.tree import ancestor_mask, build_tree, top_candidates
 
 # Published configs (config.json on the hub) of the targets, with the drafter depth of
@@ -326,11 +327,9 @@ class CycleCost:
         self.growing_cache = self.target.make_cache()  # the verify at a new length each time
         mx.eval(model(mx.array(self.prompt)[None], cache=self.growing_cache))
         layer_ids = draft.config.target_layer_ids
-        with self.target.capture(layer_ids) as captured:
-            model(mx.array(self.prompt)[None], cache=self.cache)
-            draft.append_context(
-                mx.concatenate([captured[i] for i in layer_ids], -1), [self.draft_cache]
-            )
+        prompt = mx.array(self.prompt)[None]
+        prefill = self.target.forward(prompt, [self.cache], taps=layer_ids, prompt=True)
+        draft.append_context(prefill.features, [self.draft_cache])
         mx.eval([c.state for c in self.cache + self.draft_cache])
         self.draft_head = self.target.draft_head(draft.config.draft_vocab)
         self.draft_block = mx.array(
@@ -380,8 +379,8 @@ class CycleCost:
         """ms of one tree forward over the budget's nodes + the root (built, run, argmaxes read)."""
         tree, offsets = self.trees[budget], [c.offset for c in self.cache]
         tic = time.perf_counter()
-        with self.target.tree_attention(self.cache, tree.depths, ancestor_mask(tree.parents)):
-            logits = self.target.forward(mx.array(tree.tokens), self.cache)
+        shape = TreeShape(tree.depths, ancestor_mask(tree.parents))
+        logits = self.target.forward(mx.array(tree.tokens)[None], [self.cache], [shape]).logits
         mx.argmax(logits, axis=-1).tolist()
         elapsed = time.perf_counter() - tic
         for c, offset in zip(self.cache, offsets):
@@ -417,7 +416,7 @@ class CycleCost:
         the loop's verify forward (`TargetAdapter.forward`)."""
         offsets = [c.offset for c in self.cache]
         tic = time.perf_counter()
-        tokens = mx.argmax(self.target.forward(self.inputs[n][0], self.cache), axis=-1)
+        tokens = mx.argmax(self.target.forward(self.inputs[n], [self.cache]).logits, axis=-1)
         built = time.perf_counter()
         tokens.tolist()
         done = time.perf_counter()
@@ -432,7 +431,8 @@ class CycleCost:
         repeats one shape."""
         n = self.block
         tic = time.perf_counter()
-        mx.argmax(self.target.forward(self.inputs[n][0], self.growing_cache), axis=-1).tolist()
+        logits = self.target.forward(self.inputs[n], [self.growing_cache]).logits
+        mx.argmax(logits, axis=-1).tolist()
         elapsed = time.perf_counter() - tic
         for c in self.growing_cache:
             c.trim(n - 1)

@@ -59,10 +59,8 @@ def median_ms(fns: dict, reps: int) -> dict[str, float]:
 def context(model, draft, target: TargetAdapter, ids: list[int]) -> list:
     """The drafter's cache after the target has read `ids`."""
     cache = draft.make_cache()
-    with target.capture(draft.config.target_layer_ids) as captured:
-        model(mx.array(ids)[None])
-        feats = mx.concatenate([captured[i] for i in draft.config.target_layer_ids], axis=-1)
-        draft.append_context(feats, [cache])
+    taps = draft.config.target_layer_ids
+    draft.append_context(target.forward(mx.array(ids)[None], None, taps=taps).features, [cache])
     mx.eval([c.state for c in cache])
     return cache
 

@@ -74,28 +74,31 @@ def measure(config: dict, block: int, reps: int, kept: list[int]) -> dict[str, f
     cache = target.make_cache()
     tokens = mx.random.randint(0, config["vocab_size"], (1, 128 + block))
     times: dict[str, list[float]] = {"verify": [], **{f"rollback m={m}": [] for m in kept}}
-    with target.capture([]):
-        mx.eval(model(tokens[:, :128], cache=cache), [c.state for c in cache])
-        prompt_state = [list(c.cache) if isinstance(c, RecurrentCache) else None for c in cache]
-        for _ in range(reps):
-            for m in kept:  # interleaved, so load from other processes hits all alike
-                verify = tokens[:, 128 : 128 + block]
-                times["verify"].append(
-                    timed(lambda v=verify: mx.eval(model(v, cache=cache), [c.state for c in cache]))
-                )
-                times[f"rollback m={m}"].append(
-                    timed(
-                        lambda m=m: (
-                            target.rollback(cache, block - m),
-                            mx.eval([c.state for c in cache]),
-                        )
+
+    def forward(tokens: mx.array) -> mx.array:  # mlx-lm's forward, checkpointing its caches
+        return target.forward(tokens, [cache], prompt=True).logits
+
+    mx.eval(forward(tokens[:, :128]), [c.state for c in cache])
+    prompt_state = [list(c.cache) if isinstance(c, RecurrentCache) else None for c in cache]
+    for _ in range(reps):
+        for m in kept:  # interleaved, so load from other processes hits all alike
+            verify = tokens[:, 128 : 128 + block]
+            times["verify"].append(
+                timed(lambda v=verify: mx.eval(forward(v), [c.state for c in cache]))
+            )
+            times[f"rollback m={m}"].append(
+                timed(
+                    lambda m=m: (
+                        target.rollback(cache, block - m),
+                        mx.eval([c.state for c in cache]),
                     )
                 )
-                for c, state in zip(cache, prompt_state):  # back to the prompt
-                    if state is None:
-                        c.trim(c.offset - 128)
-                    else:
-                        c.cache, c.offset = list(state), 128
+            )
+            for c, state in zip(cache, prompt_state):  # back to the prompt
+                if state is None:
+                    c.trim(c.offset - 128)
+                else:
+                    c.cache, c.offset = list(state), 128
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 

@@ -61,7 +61,7 @@ def main() -> None:
     mx.eval(model(mx.arange(100, 100 + args.context)[None], cache=cache))
     variants = {
         "mlx-lm forward": lambda tokens: model(tokens[None], cache=cache)[0],
-        "verify forward": lambda tokens: target.forward(tokens, cache),
+        "verify forward": lambda tokens: target.forward(tokens[None], [cache]).logits[0],
     }
     if quantized:
         plain = TargetAdapter(model)  # its swaps less the few-row quantized product's
@@ -69,7 +69,9 @@ def main() -> None:
         for several in (False, True):
             swaps = plain.verify_swaps(16 if several else 1)
             swaps[:] = [swap for swap in swaps if swap[2] not in ours]
-        variants["verify, MLX's qmm"] = lambda tokens: plain.forward(tokens, cache)
+        variants["verify, MLX's qmm"] = lambda tokens: plain.forward(tokens[None], [cache]).logits[
+            0
+        ]
     sizes = [int(n) for n in args.sizes.split(",")]
     times = {(v, n): [] for v in variants for n in sizes}
     for _ in range(args.rounds + 1):  # the first round warms up and is left out

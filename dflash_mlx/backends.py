@@ -38,7 +38,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from . import cpu_attention, cpu_math, few_rows_quantized, sparse_attention
+from . import cpu_attention, cpu_math, few_rows_quantized, hooks, sparse_attention
 from .kernels import cuda as cuda_kernels
 from .kernels import metal_quantized
 from .swaps import Swap, rebound_class, swapped
@@ -73,7 +73,7 @@ def _cpu_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array
 def _cuda_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, with the CUDA verify kernel for a causal block
     (MLX's semantics: the last n keys are the block's) and for a tree over a plain KV cache."""
-    tree = getattr(cache, "_dflash_tree", None)
+    tree = hooks.tree_of(cache)
     usable = (
         sinks is None
         and not hasattr(cache, "bits")

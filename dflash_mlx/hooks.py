@@ -1,124 +1,52 @@
-"""Per-instance hooks on the target while a reply is generated (`swaps.py`): capturing
-the hidden states of chosen layers, and tree forwards.
+"""Per-forward hooks on the target (`swaps.py`): recording the hidden states of chosen
+layers, checkpointing the caches a rollback re-runs, and tree forwards.
 
-Capture (`capture`): each tapped layer object, and each module whose cache a
-rollback re-runs (the mixer a recurrent cache is passed to, deepseek_v41's compressor:
-`TargetAdapter.checkpointed`), gets a subclass of
-its own class whose `__call__` records the output (lazily: the layer outputs are
-kept as unevaluated arrays of the same graph, so capturing costs no extra
-evaluation) and checkpoints those caches (`rollback.CHECKPOINTED`), and gets its
-class back when the capture ends. No mlx-lm class is modified, so other models see
-mlx-lm unchanged. A model is captured by one generation at a time (a second is
-refused); forwards through caches other than the capture's (mlx-lm's own decoding
-of the same model) are not recorded. When the layers are split over pipeline
-ranks, `PipelineSink` gathers the tapped layers to every rank.
-
-Tree forwards (`tree_attention`) swap the classes of the caches and RoPE modules
-the same way, for that one forward.
+While one forward's graph is built (`hooked`), each tapped layer object, and each module
+whose cache a rollback re-runs (the mixer a recurrent cache is passed to, deepseek_v41's
+compressor: `TargetAdapter.checkpointed`), gets a subclass of its own class whose
+`__call__` records the output (lazily: unevaluated arrays of the same graph, so recording
+costs no extra evaluation) and checkpoints those caches (`rollback.CHECKPOINTED`); in a
+tree forward the caches of the tree rows and the attention's RoPE modules get classes
+that give the tree's mask and per-node positions. Every object gets its class back before
+the forward runs. What the classes read (the outputs recorded, the trees) is this
+forward's `Hooks`, held by the building thread alone: nothing is set on the objects, no
+mlx-lm class is modified, and another thread's forward of the same model (mlx-lm's own
+decoding) sees the classes compute as their own. When the layers are split over pipeline
+ranks, `features` gathers the tapped layers to every rank.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial, wraps
-from threading import Lock
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
-from . import backends, cpu_math
 from .rollback import CHECKPOINTED, WindowKVCache, cache_parts
-from .swaps import swap_in, swap_out, swapped
+from .swaps import Swap, swapped
 
-_HOOKED_CLASSES: dict[type, type] = {}
-_HOOK_ATTRIBUTES = ("_dflash_sink", "_dflash_index", "_dflash_caches", "_dflash_checkpoints")
-HOOKING = Lock()  # makes "is a layer hooked? then hook it" one step across threads
-
-
-def _hooked_class(cls: type) -> type:
-    """A subclass of `cls` that checkpoints the caches it is passed and records its output."""
-    if cls not in _HOOKED_CLASSES:
-
-        @wraps(cls.__call__)
-        def __call__(self, *args, **kwargs):
-            passed = (*args, *kwargs.values())
-            for c in passed if self._dflash_checkpoints else ():
-                if isinstance(c, CHECKPOINTED):
-                    c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
-            out = cls.__call__(self, *args, **kwargs)
-            foreign = self._dflash_caches is not None and any(
-                isinstance(c, _BaseCache) and id(c) not in self._dflash_caches for c in passed
-            )
-            if self._dflash_sink is not None and not foreign:
-                self._dflash_sink[self._dflash_index] = feature(out)
-            return out
-
-        _HOOKED_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
-    return _HOOKED_CLASSES[cls]
-
-
-def feature(out: mx.array | tuple) -> mx.array:
-    """The hidden state a drafter reads from a layer's output (B, L, hidden).
-
-    A layer with several residual streams (hyper-connections, deepseek_v41:
-    (B, L, streams, hidden), first of a tuple) gives the mean over its streams:
-    the auxiliary hidden state that vLLM's and ROCm ATOM's DeepSeek-V4 DSpark and
-    DFlash paths hand the drafter, so what its published drafters were trained on.
-    """
-    h = out[0] if isinstance(out, tuple) else out
-    return h.mean(axis=2) if h.ndim == 4 else h
-
-
-def _replay(cls: type, module: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> Any:
-    """Re-run `module` (unhooked) on the first positions of the input it last saw."""
-    return cls.__call__(module, args[0][:, :num_positions], *args[1:], **kwargs)
-
-
-class PipelineSink(dict):
-    """Captured layer outputs when the layers are split over pipeline ranks.
-
-    Each rank records its own tapped layers and the backbone's output; reading a
-    tapped layer gathers all of them to every rank with one `all_sum` (each
-    layer's rank adds its output, the others zeros), made to depend on the
-    backbone's output so that it runs after the forward's own send, receive and
-    gather on every rank alike, and evaluated at once, before any later forward.
-    """
-
-    OUTPUT = "output"
-
-    def __init__(self, layer_ids: list[int]):
-        super().__init__()
-        self.layer_ids = list(layer_ids)
-        self.gathered: tuple[mx.array, mx.array] | None = None  # (for this output, features)
-
-    def __getitem__(self, i: int) -> mx.array:
-        output = dict.__getitem__(self, self.OUTPUT)
-        if self.gathered is None or self.gathered[0] is not output:
-            parts = [dict.get(self, j, mx.zeros_like(output)) for j in self.layer_ids]
-            mine = mx.depends(mx.concatenate(parts, axis=-1), output)
-            self.gathered = (output, mx.distributed.all_sum(mine, stream=mx.cpu))
-            mx.eval(self.gathered[1])  # now: a receive of the next forward, which depends on
-            # nothing, must not be scheduled before it on one rank and after it on another
-        k, width = self.layer_ids.index(i), output.shape[-1]
-        return self.gathered[1][..., k * width : (k + 1) * width]
+HOOKING = threading.Lock()  # one forward's graph built with swapped classes at a time
+PIPELINE_OUTPUT = "output"  # the key of the backbone's output among a pipelined forward's
+_BUILDING = threading.local()  # .hooks: the `Hooks` of the forward this thread builds
 
 
 @dataclass
 class TreeForward:
-    """What a tree forward's hooks hand to the model: each node's position and what it sees.
+    """One tree row of a forward: each node's position and what it sees.
 
     `positions` (n,) are absolute (the cache offset + the node's depth); `visible`
-    (n, n) is the ancestor mask among the nodes. The counters show afterwards
-    whether the model took both (see `TargetAdapter.tree_attention`).
+    (n, n) is the ancestor mask among the nodes. `masked` shows afterwards whether the
+    model asked the row's caches for its mask.
     """
 
     positions: mx.array
     visible: mx.array
-    roped: set[int] = field(default_factory=set)
     masked: bool = False
 
     def mask(
@@ -148,43 +76,143 @@ class TreeForward:
         return (keys[None] < keep) | (self.positions[:, None] - keys[None] < window)
 
 
+@dataclass
+class Hooks:
+    """What one forward's hooked classes read and write: the recorded modules' keys by
+    module id (`recorded`: a layer index, `PIPELINE_OUTPUT`, or None for a module only
+    checkpointed), the ids of the modules that checkpoint their caches, their outputs
+    (`outputs`), each tree row's `TreeForward` by the ids of its cache parts, and the
+    positions every row's queries take in a tree forward, flat over (rows, positions)."""
+
+    recorded: dict[int, Any]
+    checkpointing: set[int]
+    trees: dict[int, TreeForward]
+    positions: mx.array | None
+    outputs: dict[Any, mx.array] = field(default_factory=dict)
+    roped: set[int] = field(default_factory=set)
+
+
+def _active() -> Hooks | None:
+    return getattr(_BUILDING, "hooks", None)
+
+
+def tree_of(cache: Any) -> TreeForward | None:
+    """The tree of the forward being built through `cache`, if it is a tree row's."""
+    hooks = _active()
+    return None if hooks is None else hooks.trees.get(id(cache))
+
+
+_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def _hooked_class(cls: type) -> type:
+    """A subclass of `cls` that checkpoints the caches it is passed and records its output."""
+    if cls not in _HOOKED_CLASSES:
+
+        @wraps(cls.__call__)
+        def __call__(self, *args, **kwargs):
+            hooks = _active()
+            if hooks is None or id(self) not in hooks.recorded:  # another thread's forward
+                return cls.__call__(self, *args, **kwargs)
+            if id(self) in hooks.checkpointing:
+                for c in (*args, *kwargs.values()):
+                    if isinstance(c, CHECKPOINTED):
+                        c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
+            out = cls.__call__(self, *args, **kwargs)
+            key = hooks.recorded[id(self)]
+            if key is not None:
+                hooks.outputs[key] = feature(out)
+            return out
+
+        _HOOKED_CLASSES[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
+    return _HOOKED_CLASSES[cls]
+
+
+def feature(out: mx.array | tuple) -> mx.array:
+    """The hidden state a drafter reads from a layer's output (B, L, hidden).
+
+    A layer with several residual streams (hyper-connections, deepseek_v41:
+    (B, L, streams, hidden), first of a tuple) gives the mean over its streams:
+    the auxiliary hidden state that vLLM's and ROCm ATOM's DeepSeek-V4 DSpark and
+    DFlash paths hand the drafter, so what its published drafters were trained on.
+    """
+    h = out[0] if isinstance(out, tuple) else out
+    return h.mean(axis=2) if h.ndim == 4 else h
+
+
+def _replay(cls: type, module: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> Any:
+    """Re-run `module` (unhooked) on the first positions of the input it last saw."""
+    return cls.__call__(module, args[0][:, :num_positions], *args[1:], **kwargs)
+
+
+def features(outputs: dict[Any, mx.array], taps: list[int]) -> mx.array:
+    """The outputs of the tapped layers `taps`, concatenated along the last axis in that order.
+
+    When the layers are split over pipeline ranks each rank recorded its own tapped layers
+    and the backbone's output (`PIPELINE_OUTPUT`): one `all_sum` (each layer's rank adds its
+    output, the others zeros) gathers them to every rank, made to depend on the backbone's
+    output so that it runs after the forward's own send, receive and gather on every rank
+    alike, and evaluated at once: a receive of the next forward, which depends on nothing,
+    must not be scheduled before it on one rank and after it on another.
+    """
+    if PIPELINE_OUTPUT not in outputs:
+        return mx.concatenate([outputs[i] for i in taps], axis=-1)
+    output = outputs[PIPELINE_OUTPUT]
+    parts = [outputs.get(i, mx.zeros_like(output)) for i in taps]
+    mine = mx.depends(mx.concatenate(parts, axis=-1), output)
+    gathered = mx.distributed.all_sum(mine, stream=mx.cpu)
+    mx.eval(gathered)
+    return gathered
+
+
 _TREE_CLASSES: dict[type, type] = {}
 
 
 def _tree_class(cls: type) -> type:
     """The class a KV cache or a RoPE module has during a tree forward: a subclass of its own.
 
-    The cache's `make_mask` gives the tree's mask. The RoPE puts node i of a
-    (1, heads, n, dim) input at positions[i]: mx.fast.rope takes one offset per
-    batch row, so the node axis goes into the batch axis and back.
+    The cache's `make_mask` gives its row's tree mask. The RoPE puts each query of a
+    (rows, heads, n, dim) input at its own position: mx.fast.rope takes one offset per
+    batch entry, so the node axis goes into the batch axis and back.
     """
     if cls not in _TREE_CLASSES:
         if issubclass(cls, KVCache):
 
             def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
-                return self._dflash_tree.mask(0, self.offset, N)
+                tree = tree_of(self)
+                if tree is None:
+                    return cls.make_mask(self, N, *args, **kwargs)
+                return tree.mask(0, self.offset, N)
 
             body = {"make_mask": make_mask}
         elif issubclass(cls, WindowKVCache):
 
             def make_mask(self, N: int, window_size: int | None = None, **kwargs: Any) -> mx.array:
+                tree = tree_of(self)
+                if tree is None:
+                    return cls.make_mask(self, N, window_size, **kwargs)
                 start = self._first_visible()  # what update_and_fetch will keep
                 window = window_size or self.window
-                return self._dflash_tree.mask(start, self.offset, N, window, self.keep)
+                return tree.mask(start, self.offset, N, window, self.keep)
 
             body = {"make_mask": make_mask}
         else:
 
             def __call__(self, x, offset=0, *args, **kwargs):
-                tree = self._dflash_tree
-                if x.shape[0] != 1 or x.shape[-2] != tree.positions.size:
+                hooks = _active()
+                if hooks is None or hooks.positions is None:
+                    return cls.__call__(self, x, offset, *args, **kwargs)
+                rows, n = x.shape[0], x.shape[-2]
+                if x.ndim != 4 or rows * n != hooks.positions.size:
                     raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
-                tree.roped.add(id(self))
-                own = cls
-                if backends.current() == "cpu" and cls in cpu_math.COMPILED_CLASSES:
-                    own = cpu_math.COMPILED_CLASSES[cls]  # the verify forward's compiled RoPE
-                out = own.__call__(self, x.swapaxes(0, -2), tree.positions, *args, **kwargs)
-                return out.swapaxes(0, -2)
+                hooks.roped.add(id(self))
+                if rows == 1:
+                    out = cls.__call__(self, x.swapaxes(0, -2), hooks.positions, *args, **kwargs)
+                    return out.swapaxes(0, -2)
+                heads, dim = x.shape[1], x.shape[-1]
+                placed = x.transpose(0, 2, 1, 3).reshape(rows * n, heads, 1, dim)
+                out = cls.__call__(self, placed, hooks.positions, *args, **kwargs)
+                return out.reshape(rows, n, heads, dim).transpose(0, 2, 1, 3)
 
             body = {"__call__": __call__}
         _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (cls,), body)
@@ -192,80 +220,40 @@ def _tree_class(cls: type) -> type:
 
 
 @contextmanager
-def tree_attention(
-    cache: list[Any], ropes: list[nn.Module], depths: list[int], visible: mx.array, model: str
-) -> Iterator[TreeForward]:
-    """Make the next forward through `cache` a tree forward, per instance.
-
-    Its inputs are tree nodes: node i is placed at the cache offset + `depths[i]`
-    and sees the committed cache and the nodes `visible[i]` (its ancestors).
-    The model code runs unchanged: the caches' class is swapped for one whose
-    `make_mask` gives the tree mask and each attention's RoPE (`ropes`) for one that
-    takes per-node positions (mlx-lm's attention asks `cache.make_mask` for
-    its mask and ropes at `cache.offset`); both get their classes back after.
-    A model (type `model`) that took neither (its attention computes them otherwise)
-    is refused after the forward, before anything is read from it.
+def hooked(
+    recorded: list[tuple[Any, nn.Module]],
+    checkpointed: list[nn.Module],
+    trees: list[tuple[list[Any], TreeForward]],
+    ropes: list[nn.Module],
+    positions: mx.array | None,
+    model: str,
+) -> Iterator[Hooks]:
+    """While the block builds one forward's graph: the modules of `recorded` (key, module)
+    record their outputs (`Hooks.outputs`, by key), the `checkpointed` modules checkpoint
+    their caches, and with `trees` ((a row's caches, its TreeForward)) the rows' cache parts
+    give their trees' masks and the `ropes` put the queries at `positions`. Call it with the
+    forward's other swaps in place (it subclasses the classes the objects have then) and
+    `HOOKING` held. A model (type `model`) whose attention took neither the trees' masks
+    nor their positions is refused after the forward, before anything is read from it.
     """
-    tree = TreeForward(cache[0].offset + mx.array(depths), visible)
-    objects = [*cache_parts(cache), *ropes]
-    for obj in objects:
-        object.__setattr__(obj, "_dflash_tree", tree)
+    keys = {id(m): key for key, m in recorded}
+    for module in checkpointed:
+        keys.setdefault(id(module), None)
+    modules = {id(m): m for m in [*(m for _, m in recorded), *checkpointed]}
+    parts = [(c, tree) for row, tree in trees for c in cache_parts(row)]
+    hooks = Hooks(keys, {id(m) for m in checkpointed}, {id(c): t for c, t in parts}, positions)
+    swaps: list[Swap] = [(m, type(m), _hooked_class(type(m))) for m in modules.values()]
+    if trees:
+        objects = [*(c for c, _ in parts), *ropes]
+        swaps += [(obj, type(obj), _tree_class(type(obj))) for obj in objects]
+    _BUILDING.hooks = hooks
     try:
-        with swapped([(obj, type(obj), _tree_class(type(obj))) for obj in objects]):
-            yield tree
+        with swapped(swaps):
+            yield hooks
     finally:
-        for obj in objects:
-            object.__delattr__(obj, "_dflash_tree")
-    if not tree.masked or len(tree.roped) != len(ropes):
+        _BUILDING.hooks = None
+    if trees and (not all(t.masked for _, t in trees) or len(hooks.roped) != len(ropes)):
         raise ValueError(
             f"tree verification does not support target model type '{model}': "
             "its attention did not take the tree's positions and mask"
         )
-
-
-@contextmanager
-def capture(
-    layers: list[nn.Module | None],
-    layer_ids: list[int],
-    checkpointed: list[nn.Module],
-    cache: list[Any] | set[int] | None = None,
-    pipelined: nn.Module | None = None,
-) -> Iterator[dict[Any, mx.array]]:
-    """Record the outputs (`feature`) of `layers[i]` for i in `layer_ids` on every forward
-    while the context is open, and have the `checkpointed` modules checkpoint the caches
-    they are passed so that a rollback can re-run the committed prefix. With `cache`, a
-    forward through other caches is not recorded (a set: the ids of the caches, which the
-    caller may change while the capture is open). `pipelined`: the backbone, when the
-    layers are split over pipeline ranks (None in `layers`: another rank's). A second
-    capture of the same layers while one is open raises RuntimeError.
-    """
-    sink: dict[Any, mx.array] = PipelineSink(layer_ids) if pipelined is not None else {}
-    caches = cache if isinstance(cache, set) or cache is None else {id(c) for c in cache}
-    with HOOKING:
-        if any(type(m) in _HOOKED_CLASSES.values() for m in [*layers, *checkpointed]):
-            raise RuntimeError(
-                "this model is already being generated with (in another thread or another "
-                "open generator); run one generation per model at a time"
-            )
-        recorded = [(i, layers[i]) for i in sorted(set(layer_ids))]
-        if pipelined is not None:  # its output: after the forward's collectives on every rank
-            recorded.append((PipelineSink.OUTPUT, pipelined))
-        hooks = {id(m): (i, m) for i, m in recorded if m is not None}  # None: another rank's
-        for module in checkpointed:
-            hooks.setdefault(id(module), (None, module))
-        hooks = list(hooks.values())
-        checkpointing = {id(m) for m in checkpointed}
-        for i, layer in hooks:
-            object.__setattr__(layer, "_dflash_checkpoints", id(layer) in checkpointing)
-            object.__setattr__(layer, "_dflash_sink", None if i is None else sink)
-            object.__setattr__(layer, "_dflash_index", i)
-            object.__setattr__(layer, "_dflash_caches", caches)
-        hooked = swap_in([(layer, type(layer), _hooked_class(type(layer))) for _, layer in hooks])
-    try:
-        yield sink
-    finally:
-        with HOOKING:
-            swap_out(hooked)
-            for _, layer in hooks:
-                for name in _HOOK_ATTRIBUTES:
-                    object.__delattr__(layer, name)

@@ -7,7 +7,7 @@ cannot be, and are replaced by the classes here when the target's cache is made:
   `RotatingKVCache` overwrites the oldest entries in place, so once it has wrapped, a
   trim would leave a hole where a rejected draft evicted a still-needed entry).
 - `QuantizingKVCache` for `kv_bits` (mlx-lm swaps each KVCache for a new
-  `QuantizedKVCache` between forwards; captures know caches by id, and a verify
+  `QuantizedKVCache` between forwards; a reply keeps its cache objects, and a verify
   forward must not span the switch).
 - `RecurrentCache` for recurrent layers (GatedDeltaNet, short-convolution or
   Mamba state in an `ArraysCache`): the state after the last committed token exists only
@@ -171,7 +171,7 @@ class QuantizingKVCache(KVCache):
     `quantized_kv_start` positions or more (`maybe_quantize_kv_cache`); every later step sees
     all keys quantized, its own too (it quantizes on store). Here the switch happens at the
     start of the next forward that writes to the cache, so that what counts is what the last
-    rollback kept, and the cache stays the same object (captures know caches by id): it then
+    rollback kept, and the cache stays the same object (a reply keeps its caches): it then
     has `bits`, which is how mlx-lm's attention tells a quantized cache, and stores as
     `QuantizedKVCache` does. Positions before the switch see float keys and those after it
     quantized ones, so no forward may span it (`forward_limit`); nor may a rollback go back
@@ -355,7 +355,7 @@ class CompressedWindowCache(LayerCache):
     the `window_size` before it (`window` shows the model its last
     `window_size`, as mlx-lm's), and the layer's compressor checkpoints the
     compressed state before each forward (`checkpoint`, from the hook that
-    `hooks.capture` puts on it). `trim(n)` drops the window's last n rows,
+    `hooks.hooked` gives it during each forward). `trim(n)` drops the window's last n rows,
     restores the checkpoint and re-runs the compressor on the forward's kept
     positions: that rebuilds the open group's rows, and the groups it closes
     keep the forward's own entries (a group's entry depends on its rows only).

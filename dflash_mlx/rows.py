@@ -15,6 +15,10 @@ The model code runs unchanged: each layer is handed a `RowCaches` as its cache. 
 attention modules call `attention` below in place of mlx-lm's
 `scaled_dot_product_attention` (`backends.verify_swaps(..., attention=)`).
 
+A row may verify a tree: its caches then give that tree's mask and the RoPEs put each
+row's queries at their own positions (`hooks.hooked`), beside chain rows whose masks are
+causal.
+
 Only targets whose every cache is a plain `KVCache` batch so (`batchable`): recurrent,
 windowed and compressed caches keep state a row-by-row attention cannot reach.
 """

@@ -32,6 +32,8 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.deepseek_v32 import DeepseekV32Attention, Indexer
 
+from . import hooks
+
 SPARSE_ATTENTIONS = (DeepseekV32Attention,)
 _CLASSES: dict[type, type] = {}
 
@@ -47,7 +49,7 @@ def verify_class(cls: type) -> type:
 def _verify_call(self: DeepseekV32Attention, x: mx.array, mask: Any = None, cache: Any = None):
     """The attention of several positions, each query's as a one-token forward computes it."""
     batch, length, _ = x.shape
-    if cache is None or getattr(cache[0], "_dflash_tree", None) is not None:
+    if cache is None or hooks.tree_of(cache[0]) is not None:
         return super(type(self), self).__call__(x, mask, cache)
     qr = self.q_a_layernorm(self.q_a_proj(x))
     q = self.q_b_proj(qr).reshape(batch, length, self.num_heads, self.q_head_dim)

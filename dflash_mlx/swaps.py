@@ -1,7 +1,7 @@
 """Per-instance class swaps: the one mechanism by which this package changes what an
 mlx-lm or MLX module does. A module changes class, not its class's code: other models
 and other instances see mlx-lm's and MLX's classes unchanged. Used for the target's
-verify forward (`backends.py`), its capture hooks and tree forwards (`hooks.py`), the
+verify forward (`backends.py`), its per-forward hooks and tree rows (`hooks.py`), the
 drafter's block (`backends.block_swaps`) and the bench's timers.
 
 Most swaps give a subclass its own `__call__` or method. Where mlx-lm's `__call__`

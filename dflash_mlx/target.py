@@ -2,9 +2,9 @@
 
 `TargetAdapter` finds the layer list, embedding and LM head of an mlx-lm model
 (also inside multimodal wrappers), makes and rolls back the target's caches
-(the cache kinds a trim cannot roll back get the caches of `rollback.py`), runs the
-verify forward with the backend's swaps (`backends.py`), and opens the per-instance
-hooks that capture hidden states and make tree forwards (`hooks.py`). Families
+(the cache kinds a trim cannot roll back get the caches of `rollback.py`), runs its
+forwards (one or several rows, chains or trees) with the backend's swaps (`backends.py`)
+and the per-forward hooks that record hidden states and make tree rows (`hooks.py`). Families
 share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`,
 `NORMALISED_EMBEDDINGS`, `TREE_REFUSALS`).
 """
@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
+from threading import Lock
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, wired_limit
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -226,7 +228,7 @@ FINAL_NORMS = ("norm", "norm_f", "embedding_norm")
 # embeds its block as that layer sees it.
 NORMALISED_EMBEDDINGS = ("muse_glimmer",)
 # Why a family's (or a cache kind's) attention cannot verify a tree: it does not take the
-# tree's positions and mask through the cache and RoPE modules `hooks.tree_attention` swaps.
+# tree's positions and mask through the cache and RoPE modules `hooks.hooked` swaps.
 TREE_REFUSALS = {
     RecurrentCache: "its recurrent layers cannot keep just the accepted path of a tree",
     ChunkCache: "its chunked attention builds its mask from positions, not from the cache",
@@ -340,6 +342,29 @@ def _gathered_logits(head: nn.Module, x: mx.array) -> mx.array:
     return gather_last_axis(head(x), head.group)
 
 
+@dataclass
+class TreeShape:
+    """One row's tree in a verify forward: node i sits at the row cache's offset + depths[i]
+    and sees the committed cache and the nodes visible[i] (itself and its ancestors)."""
+
+    depths: list[int]
+    visible: mx.array  # (n, n) bool
+
+
+@dataclass
+class Forward:
+    """A target forward's logits (R, N, vocab) and the features (R, N, len(taps) x hidden)
+    of its tapped layers (`hooks.feature`), concatenated in the order of the taps (None
+    without taps): unevaluated arrays of the forward's graph."""
+
+    logits: mx.array
+    features: mx.array | None
+
+
+_GENERATING: set[int] = set()  # ids of the models a generation holds (`generating`)
+_CLAIMING = Lock()
+
+
 class TargetAdapter:
     """What the speculative loop needs from an mlx-lm model; families differ only in data."""
 
@@ -365,29 +390,105 @@ class TargetAdapter:
         self.max_context = getattr(args, "max_position_embeddings", None)
         self._verify_swaps: dict[tuple, list[Swap]] = {}
 
-    def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
-        """The target's logits (len(tokens), vocab) at `tokens`, appended to `cache`.
+    def forward(
+        self,
+        tokens: mx.array,
+        caches: list[list[Any]] | None,
+        trees: list[TreeShape | None] | None = None,
+        taps: list[int] | None = None,
+        prompt: bool = False,
+    ) -> Forward:
+        """The target's logits at `tokens` (R, N), row i appended to `caches[i]` and attending
+        to that cache alone, and the features of the tapped layers `taps` at every position.
 
-        Each position sees the keys its own one-position step would (`rollback.stepwise`).
-        On the CPU norms and RoPEs run compiled, and over several positions SwiGLUs and
-        attention take their exps from `cpu_math`; on MLX's CUDA backend attention takes
-        the verify kernel over several positions (see the module docstring).
+        A row whose tree is None (or `trees` None) holds N consecutive positions (a chain); a
+        row with a `TreeShape` of N nodes is a tree. Each position sees the keys its own
+        one-position step would (`rollback.stepwise`). On the CPU norms and RoPEs run
+        compiled, and over several positions SwiGLUs and attention take their exps from
+        `cpu_math`; on MLX's CUDA backend attention takes the verify kernel over several
+        positions (`backends.py`). R > 1 needs caches that can share a forward
+        (`rows.batchable`): projections run over all rows, attention row by row (`rows.py`).
+        A `prompt` chunk (R = 1) is computed as mlx-lm computes one (its kernels, its masks);
+        so are rows without caches (`caches` None: independent sequences from position 0).
+        The modules of `checkpointed` checkpoint their caches for `rollback` on every forward.
         """
-        with stepwise(cache):
-            return self._forward(tokens[None], cache, self.verify_swaps(tokens.size))[0]
-
-    def forward_rows(self, tokens: mx.array, caches: list[list[Any]]) -> mx.array:
-        """The logits (rows, n, vocab) at `tokens` (rows, n), row i appended to `caches[i]`:
-        one forward for all rows, each attending to its own cache (`rows.py`)."""
-        swaps = self.verify_swaps(tokens.shape[1], rows.attention)
-        return self._forward(tokens, rows.row_caches(caches), swaps)
-
-    def _forward(self, tokens: mx.array, cache: list[Any], swaps: list[Swap]) -> mx.array:
-        if not swaps:
-            return self.model(tokens, cache=cache)
+        n_rows, n = tokens.shape
+        trees = trees if trees is not None and any(trees) else None
+        if caches is None or n_rows == 1:
+            cache = None if caches is None else caches[0]
+            attention = None
+        elif all(rows.batchable(c) for c in caches):
+            cache, attention = rows.row_caches(caches), rows.attention
+        else:
+            raise ValueError("only targets whose caches are all plain KV caches batch replies")
+        plain = caches is None or (prompt and attention is None)  # mlx-lm's own forward
+        swaps = [] if plain else self.verify_swaps(n, attention)
+        recorded = self._recorded(taps or [])
+        checkpointed = self.checkpointed if caches is not None else []
+        tree_rows, positions = [], None
+        if trees is not None:
+            tree_rows, positions = self._tree_rows(caches, trees, n)
+        if not (swaps or recorded or checkpointed or tree_rows):
+            return Forward(self.model(tokens, cache=cache), None)
         # graph building only: the classes are back before anything runs
-        with hooks.HOOKING, backends.building(swaps):
-            return self.model(tokens, cache=cache)
+        with ExitStack() as building:
+            if cache is not None and not prompt and attention is None:
+                building.enter_context(stepwise(cache))
+            building.enter_context(hooks.HOOKING)
+            building.enter_context(backends.building(swaps))
+            forward = building.enter_context(
+                hooks.hooked(
+                    recorded, checkpointed, tree_rows, self.ropes, positions, self.model_type
+                )
+            )
+            logits = self.model(tokens, cache=cache)
+        return Forward(logits, hooks.features(forward.outputs, taps) if taps else None)
+
+    def _recorded(self, taps: list[int]) -> list[tuple[Any, nn.Module]]:
+        """The modules a forward with `taps` records, by key: the tapped layers this rank
+        holds and, when the layers are split over pipeline ranks, the backbone, whose output
+        comes after the forward's collectives (`hooks.features`)."""
+        recorded: list[tuple[Any, nn.Module]] = [
+            (i, self.layers[i]) for i in taps if self.layers[i] is not None
+        ]
+        if taps and self.pipelined:
+            recorded.append((hooks.PIPELINE_OUTPUT, self.backbone))
+        return recorded
+
+    def _tree_rows(
+        self, caches: list[list[Any]], trees: list[TreeShape | None], n: int
+    ) -> tuple[list[tuple[list[Any], hooks.TreeForward]], mx.array]:
+        """Each tree row's caches and `TreeForward`, and every row's positions, flat: a chain
+        row's are consecutive after its cache's offset."""
+        tree_rows, positions = [], []
+        for cache, tree in zip(caches, trees):
+            offset = cache[0].offset
+            if tree is None:
+                positions.append(offset + mx.arange(n))
+                continue
+            forward = hooks.TreeForward(offset + mx.array(tree.depths), tree.visible)
+            tree_rows.append((cache, forward))
+            positions.append(forward.positions)
+        return tree_rows, positions[0] if len(positions) == 1 else mx.concatenate(positions)
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Hold the model for one generation: its weights wired, as mlx-lm's decoding keeps
+        them, and a second generation on the same model refused (RuntimeError) meanwhile,
+        since both would checkpoint and roll back through the same modules."""
+        with _CLAIMING:
+            if id(self.model) in _GENERATING:
+                raise RuntimeError(
+                    "this model is already being generated with (in another thread or another "
+                    "open generator); run one generation per model at a time"
+                )
+            _GENERATING.add(id(self.model))
+        try:
+            with wired_limit(self.model):
+                yield
+        finally:
+            with _CLAIMING:
+                _GENERATING.discard(id(self.model))
 
     def verify_swaps(self, positions: int, attention: Callable | None = None) -> list[Swap]:
         """The class swaps of a forward over `positions` on this backend
@@ -529,24 +630,6 @@ class TargetAdapter:
                 f"tree verification does not support target model type '{self.model_type}': "
                 f"{reason}; use the chain (no --tree-budget)"
             )
-
-    @contextmanager
-    def tree_attention(self, cache: list[Any], depths: list[int], visible: mx.array) -> Iterator:
-        """Make the next forward through `cache` a tree forward (`hooks.tree_attention`):
-        node i at the cache offset + `depths[i]`, seeing the cache and `visible[i]`."""
-        with hooks.tree_attention(cache, self.ropes, depths, visible, self.model_type) as tree:
-            yield tree
-
-    @contextmanager
-    def capture(
-        self, layer_ids: list[int], cache: list[Any] | set[int] | None = None
-    ) -> Iterator[dict[int, mx.array]]:
-        """Record the outputs of `layer_ids` on every forward while the context is open
-        (`hooks.capture`); with `cache`, only forwards through those caches. The modules
-        of `checkpointed` are hooked too, to checkpoint their caches for `rollback`."""
-        backbone = self.backbone if self.pipelined else None
-        with hooks.capture(self.layers, layer_ids, self.checkpointed, cache, backbone) as sink:
-            yield sink
 
     @cached_property
     def checkpointed(self) -> list[nn.Module]:

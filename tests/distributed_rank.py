@@ -33,9 +33,7 @@ TAPPED = [1, 3]  # split over 2 pipeline ranks: rank 1 holds layers 0-1, rank 0 
 
 def tapped_features(model) -> list[float]:
     """Per prompt position, the sum of what the drafter sees: the TAPPED layers' outputs."""
-    with TargetAdapter(model).capture(TAPPED) as captured:
-        model(mx.array(PROMPT)[None])
-        features = mx.concatenate([captured[i] for i in TAPPED], axis=-1)
+    features = TargetAdapter(model).forward(mx.array(PROMPT)[None], None, taps=TAPPED).features
     return features.sum(axis=-1)[0].tolist()
 
 

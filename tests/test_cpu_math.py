@@ -111,7 +111,7 @@ def test_a_verify_mlp_computes_what_mlx_lms_does():
 def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):
     model, _, _ = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
-    target.forward(mx.array([5, 9, 33]), target.make_cache())
+    target.forward(mx.array([[5, 9, 33]]), [target.make_cache()])
     swaps = target.verify_swaps(3)
     counts = {
         name: sum(v.__name__ == name for _, _, v in swaps)
@@ -135,8 +135,8 @@ def test_a_one_position_forward_is_mlx_lms_bit_for_bit_with_compiled_norms_and_r
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     model(prompt, cache=ours), model(prompt, cache=theirs)
     for token in (5, 3, 5, 8):  # at offsets 8-11: one trace serves every offset
-        mine = target.forward(mx.array([token]), ours)
-        assert mx.array_equal(mine, model(mx.array([[token]]), cache=theirs)[0])
+        mine = target.forward(mx.array([[token]]), [ours]).logits
+        assert mx.array_equal(mine[0], model(mx.array([[token]]), cache=theirs)[0])
     kinds = {v.__name__ for _, _, v in target.verify_swaps(1)}
     assert kinds == {"CompiledRMSNorm", "CompiledRoPE"}  # mlx-lm's attention and MLP as they are
 
@@ -192,10 +192,8 @@ def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(
     model, _, draft = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
     cache = target.make_cache()
-    features = {}
-    with target.capture(draft.config.target_layer_ids, cache) as captured:
-        model(mx.array([[3, 1, 4, 1, 5, 9]]), cache=cache)
-        features = mx.concatenate([captured[i] for i in draft.config.target_layer_ids], axis=-1)
+    tokens, taps = mx.array([[3, 1, 4, 1, 5, 9]]), draft.config.target_layer_ids
+    features = target.forward(tokens, [cache], taps=taps, prompt=True).features
     block = mx.array([7, *[draft.config.mask_token_id] * 3])
     results = []
     for swapping in (True, False):

@@ -407,10 +407,9 @@ def test_a_multi_stream_layer_is_captured_as_the_mean_of_its_streams(family):
     streams = mx.random.normal((1, 3, 4, 64))
     assert mx.array_equal(feature((streams, mx.zeros((1, 3, 4)))), streams.mean(axis=2))
     target, cache = TargetAdapter(model), TargetAdapter(model).make_cache()
-    with target.capture([1], cache) as sink:
-        model(mx.array(PROMPT)[None], cache=cache)
-    assert sink[1].shape == (1, len(PROMPT), 64)
-    assert not mx.allclose(sink[1], model.model.embed_tokens(mx.array(PROMPT)[None]))
+    features = target.forward(mx.array(PROMPT)[None], [cache], taps=[1], prompt=True).features
+    assert features.shape == (1, len(PROMPT), 64)
+    assert not mx.allclose(features, model.model.embed_tokens(mx.array(PROMPT)[None]))
 
 
 def test_muse_glimmer_drafter_embeds_as_its_first_layer_sees(family):
@@ -430,11 +429,10 @@ def test_compressed_cache_rollback_equals_the_cache_of_the_kept_positions(family
     target = TargetAdapter(model)
     block = expected[:8]  # from position 21: closes the groups at 24 and 28
     cache, reference = target.make_cache(), target.make_cache()
-    with target.capture([], cache):
-        model(mx.array(PROMPT)[None], cache=cache)
-        target.rollback(cache, 0)
-        model(mx.array(block)[None], cache=cache)
-        target.rollback(cache, len(block) - accepted - 1)
+    target.forward(mx.array(PROMPT)[None], [cache], prompt=True)
+    target.rollback(cache, 0)
+    target.forward(mx.array(block)[None], [cache], prompt=True)
+    target.rollback(cache, len(block) - accepted - 1)
     model(mx.array(PROMPT + block[: accepted + 1])[None], cache=reference)
     for ours, plain in zip(cache, reference):
         assert ours.offset == plain.offset == len(PROMPT) + accepted + 1
@@ -507,10 +505,9 @@ def test_recurrent_rollback_leaves_the_state_after_the_last_committed_token(fami
     truth = expected[: accepted + 2]
     block = truth[: accepted + 1] + [(truth[-1] + 1) % VOCAB] * (7 - accepted)
     cache, reference = target.make_cache(), target.make_cache()
-    with target.capture([]):
-        model(mx.array(PROMPT)[None], cache=cache)
-        model(mx.array(block)[None], cache=cache)
-        target.rollback(cache, len(block) - accepted - 1)
+    target.forward(mx.array(PROMPT)[None], [cache], prompt=True)
+    target.forward(mx.array(block)[None], [cache], prompt=True)
+    target.rollback(cache, len(block) - accepted - 1)
     model(mx.array(PROMPT)[None], cache=reference)
     for t in truth[: accepted + 1]:
         model(mx.array([[t]]), cache=reference)
@@ -520,30 +517,27 @@ def test_recurrent_rollback_leaves_the_state_after_the_last_committed_token(fami
             for a, b in zip(ours.cache, ar.cache):
                 # |state| ~ 10; a verify's matmuls over 8 rows differ from 1-row ones by ~1e-5
                 assert mx.allclose(a, b, rtol=1e-4, atol=1e-4)
-    with target.capture([]):
-        model(mx.array([[5, 6]]), cache=cache)
+    target.forward(mx.array([[5, 6]]), [cache], prompt=True)
     recurrent = [c for c in cache if isinstance(c, RecurrentCache)]
     assert all(c.can_trim(1) for c in recurrent)
-    model(mx.array([[7]]), cache=cache)  # unhooked: its snapshot is now stale
+    model(mx.array([[7]]), cache=cache)  # mlx-lm's own forward: its snapshot is now stale
     assert not any(c.can_trim(1) for c in recurrent)
 
 
-def test_hooks_are_per_instance_and_removed_after_generation(family, tokenizer):
+def test_hooks_are_per_instance_and_removed_after_every_forward(family, tokenizer):
     model, draft, expected = family("qwen3_5")
     twin = build("qwen3_5")
-    classes = [type(layer) for layer in model.layers]
+    modules = list(model.modules())
+    classes = [type(m) for m in modules]
     call = qwen3_5.DecoderLayer.__call__
     gen = stream_generate(model, draft, tokenizer, PROMPT, max_tokens=40)
-    next(gen)
-    hooked = [type(layer) is not cls for layer, cls in zip(model.layers, classes)]
-    assert hooked == [i in draft.config.target_layer_ids for i in range(len(classes))]
-    mixers = [layer.linear_attn for layer in model.layers if layer.is_linear]
-    assert all(type(m) is not qwen3_5.GatedDeltaNet for m in mixers)  # they checkpoint
+    tokens = list(next(gen).tokens)
+    assert [type(m) for m in modules] == classes  # between forwards: mlx-lm's own classes
     assert qwen3_5.DecoderLayer.__call__ is call
     assert reference_greedy(twin, PROMPT, 40, set()) == expected[:40]  # another instance: untouched
-    gen.close()
-    assert [type(layer) for layer in model.layers] == classes
-    assert all(type(m) is qwen3_5.GatedDeltaNet for m in mixers)
+    tokens += [t for r in gen for t in r.tokens]
+    assert tokens == expected[:40]  # its tapped layers recorded, its mixers checkpointed
+    assert [type(m) for m in modules] == classes
 
 
 @pytest.mark.parametrize(

@@ -86,20 +86,14 @@ def fail_observing(reply, prompt, monkeypatch):
 
 def fail_forward(reply, prompt, monkeypatch):
     """The target's forward fails on the culprit's caches, shared with other rows or not."""
-    forward, forward_rows = TargetAdapter.forward, TargetAdapter.forward_rows
+    forward = TargetAdapter.forward
 
-    def failing_forward(self, tokens, cache):
-        if cache is reply.seq.cache and grown(reply, prompt):
+    def failing_forward(self, tokens, caches, *args, **kwargs):
+        if any(cache is reply.seq.cache for cache in caches or []) and grown(reply, prompt):
             raise Boom("forward")
-        return forward(self, tokens, cache)
-
-    def failing_rows(self, tokens, caches):
-        if any(cache is reply.seq.cache for cache in caches) and grown(reply, prompt):
-            raise Boom("forward")
-        return forward_rows(self, tokens, caches)
+        return forward(self, tokens, caches, *args, **kwargs)
 
     monkeypatch.setattr(TargetAdapter, "forward", failing_forward)
-    monkeypatch.setattr(TargetAdapter, "forward_rows", failing_rows)
 
 
 def fail_verdict(reply, prompt, monkeypatch):

@@ -286,9 +286,9 @@ def test_verify_forward_and_draft_heads_take_the_kernel_on_metal(monkeypatch, na
     monkeypatch.setattr(mq, "quantized_rows", stand_in)
     tokens = mx.arange(16)
     monkeypatch.setattr(backends, "current", lambda: None)  # mlx-lm's forward as it is
-    want = target.forward(tokens, make_prompt_cache(model))
+    want = target.forward(tokens[None], [make_prompt_cache(model)]).logits
     monkeypatch.setattr(backends, "current", lambda: "metal")
-    got = target.forward(tokens, make_prompt_cache(model))
+    got = target.forward(tokens[None], [make_prompt_cache(model)]).logits
     swapped = target.verify_swaps(16)
     assert len(swapped) == 5 * 7 + 1  # every projection of the 5 layers, and the head
     assert len(calls) == len(swapped) and mx.array_equal(got, want)

@@ -17,7 +17,7 @@ from mlx_lm.utils import save_model
 import dflash_mlx
 from dflash_mlx import blas, loading, stream_generate
 from dflash_mlx.loading import default_dtype, dtype_for_device
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
+from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter, TreeShape
 
 
 def test_nested_rope_theta_is_honoured(workdir, make_pair):
@@ -125,12 +125,14 @@ def test_captured_features_are_the_layer_outputs(loaded):
     for i, layer in enumerate(target.layers):
         h = layer(h, mask)
         expected[i] = h
-    with target.capture([4, 1]) as captured:
-        logits = model(tokens)
-        assert set(captured) == {1, 4}
-        mx.eval(logits)
-        for i in (1, 4):
-            assert mx.allclose(captured[i], expected[i], atol=1e-5)
+    forward = target.forward(tokens, None, taps=[4, 1], prompt=True)
+    mx.eval(forward.logits)
+    width = target.hidden_size
+    assert forward.features.shape == (1, 5, 2 * width)
+    for k, i in enumerate((4, 1)):
+        assert mx.allclose(
+            forward.features[..., k * width : (k + 1) * width], expected[i], atol=1e-5
+        )
     assert type(target.layers[1]).__name__ == "TransformerBlock"
 
 
@@ -162,21 +164,21 @@ def test_a_second_generation_on_the_same_model_is_refused_while_one_runs(loaded)
     assert [t for r in again for t in r.tokens] == expected
 
 
-def test_mlx_lm_decoding_the_same_model_beside_a_capture_is_not_recorded(loaded):
-    model, _, _ = loaded("llama-untied-mha")
-    target = TargetAdapter(model)
-    ours = target.make_cache()
-    with target.capture([1], ours) as captured:
-        model(mx.array([[5, 9, 33, 70]]), cache=ours)
-        recorded = captured[1]
-        beside = threading.Thread(
-            target=lambda: reference_greedy(model, [11, 12], 3, set())  # mlx-lm's own caches
-        )
-        beside.start()
-        beside.join()
-        assert captured[1] is recorded
-        model(mx.array([[8]]), cache=ours)
-        assert captured[1].shape[1] == 1
+def test_mlx_lm_decoding_the_same_model_beside_a_generation_is_its_own(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    alone = reference_greedy(model, [11, 12], 3, set())
+    expected = reference_greedy(model, [5, 6, 7], 20, set(tokenizer.eos_token_ids))
+    responses = stream_generate(model, draft, tokenizer, [5, 6, 7], max_tokens=20)
+    tokens = list(next(responses).tokens)  # the generation holds the model
+    beside: list[int] = []
+    thread = threading.Thread(
+        target=lambda: beside.extend(reference_greedy(model, [11, 12], 3, set()))
+    )
+    thread.start()
+    tokens += [t for r in responses for t in r.tokens]
+    thread.join()
+    assert beside == alone
+    assert tokens == expected
 
 
 def test_the_verify_forward_leaves_the_model_as_it_was(loaded):
@@ -185,10 +187,10 @@ def test_the_verify_forward_leaves_the_model_as_it_was(loaded):
     classes = {name: type(m) for name, m in model.named_modules()}
     tokens = mx.array([5, 9, 33, 70, 100, 7])
     cache, plain_cache = target.make_cache(), target.make_cache()
-    logits = target.forward(tokens, cache)
+    logits = target.forward(tokens[None], [cache]).logits
     assert {name: type(m) for name, m in model.named_modules()} == classes
-    assert logits.shape == (6, target.vocab_size)
-    assert mx.allclose(logits, model(tokens[None], cache=plain_cache)[0], atol=1e-4)
+    assert logits.shape == (1, 6, target.vocab_size)
+    assert mx.allclose(logits, model(tokens[None], cache=plain_cache), atol=1e-4)
     assert cache[0].offset == 6
 
 
@@ -264,3 +266,23 @@ def test_blas_binding_reported_and_can_be_disabled():
         "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
     ):
         assert on.stdout.startswith("OpenBLAS")
+
+
+def test_a_forward_leaves_no_attribute_on_caches_or_modules(loaded):
+    """Chains, trees and several rows, with taps: afterwards every module and cache has the
+    class and the attributes it had."""
+    model, _, _ = loaded("llama-tied-gqa")
+    target = TargetAdapter(model)
+    caches = [target.make_cache() for _ in range(3)]
+    objects = [*model.modules(), *(c for cache in caches for c in cache)]
+
+    def attributes() -> list:
+        return [(type(obj), set(vars(obj))) for obj in objects]
+
+    before = attributes()
+    tree = TreeShape([0, 1, 1], mx.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=mx.bool_))
+    for i, cache in enumerate(caches):
+        target.forward(mx.array([[5, 9, 33, 70 + i]]), [cache], taps=[1, 3], prompt=True)
+    mx.eval(target.forward(mx.array([[4, 5, 6]]), caches[:1], [tree], [1]).features)
+    mx.eval(target.forward(mx.array([[4, 5, 6]] * 3), caches, [None, tree, tree], [1, 3]).logits)
+    assert attributes() == before

@@ -51,9 +51,7 @@ def tiny(workdir):
 
 def features_of(model, ids: np.ndarray, taps=TAPS) -> mx.array:
     target = TargetAdapter(model)
-    with target.capture(taps) as captured:
-        model(mx.array(ids)[None])
-        return mx.concatenate([captured[i] for i in taps], axis=-1)[0]
+    return target.forward(mx.array(ids)[None], None, taps=taps, prompt=True).features[0]
 
 
 @pytest.mark.parametrize("window", [None, 5])

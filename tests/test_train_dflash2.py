@@ -38,9 +38,7 @@ def tiny(train_target_dir):
 
 def features_of(model, ids: np.ndarray) -> mx.array:
     target = TargetAdapter(model)
-    with target.capture(TAPS) as captured:
-        model(mx.array(ids)[None])
-        return mx.concatenate([captured[i] for i in TAPS], axis=-1)[0]
+    return target.forward(mx.array(ids)[None], None, taps=TAPS, prompt=True).features[0]
 
 
 def train_cli(*argv: str) -> None:

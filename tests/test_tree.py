@@ -29,7 +29,7 @@ from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
 from dflash_mlx.checkpoint import init_draft
 from dflash_mlx.rollback import cache_parts, keep_path
 from dflash_mlx.sampling import make_logprobs_transform
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.target import TargetAdapter, TreeShape
 from dflash_mlx.tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 TREE_FAMILIES = [
@@ -166,8 +166,8 @@ def test_tree_forward_equals_plain_forwards_and_compaction_equals_the_path(famil
     cache = target.make_cache()
     model(mx.array(PROMPT)[None], cache=cache)
     classes = [type(x) for x in [*cache, *target.ropes]]
-    with target.tree_attention(cache, tree.depths, ancestor_mask(tree.parents)):
-        logits = model(mx.array(tree.tokens)[None], cache=cache)[0]
+    shape = TreeShape(tree.depths, ancestor_mask(tree.parents))
+    logits = target.forward(mx.array(tree.tokens)[None], [cache], [shape]).logits[0]
     assert [type(x) for x in [*cache, *target.ropes]] == classes  # per instance, and restored
     assert all(c.offset == len(PROMPT) + len(tree) for c in cache)
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
@@ -481,3 +481,72 @@ def test_a_model_that_does_not_take_the_tree_mask_is_refused(tokenizer):
     assert tokens == reference_greedy(model, PROMPT, 24, set())  # the hooks were removed
     assert cache.block_policy.tree_budget == 0  # the default's first tree undone: chains
     assert all(c.offset == len(cache.tokens) for c in cache.target)
+
+
+def tree_shape(parents: list[int]) -> TreeShape:
+    """The `TreeShape` of a tree with these parents (-1: the root)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return TreeShape(depths, ancestor_mask(parents))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_forward_of_several_rows_gives_each_row_its_own_forward(family, name):
+    """A chain and two trees of other shapes, over caches of other lengths, in one forward:
+    each row's logits and features are its own one-row forward's."""
+    model, _, _ = family(name)
+    target, taps = TargetAdapter(model), [1, 3]
+    rows = [[31, 32, 33, 34, 35, 36], [5, 9, 11, 13, 17, 19], [7, 8, 21, 22, 23, 24]]
+    shapes = [None, tree_shape([-1, 0, 0, 1, 1, 2]), tree_shape([-1, 0, 1, 2, 0, 4])]
+    prompts = [PROMPT[:5], PROMPT, PROMPT[:9]]
+
+    def prefilled() -> list[list]:
+        caches = [target.make_cache() for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            target.forward(mx.array(prompt)[None], [cache], prompt=True)
+        return caches
+
+    caches = prefilled()
+    shared = target.forward(mx.array(rows), caches, shapes, taps)
+    assert [c[0].offset for c in caches] == [len(p) + 6 for p in prompts]
+    for i, (row, cache, shape) in enumerate(zip(rows, prefilled(), shapes)):
+        alone = target.forward(mx.array(row)[None], [cache], [shape], taps)
+        for ours, theirs in ((shared.logits, alone.logits), (shared.features, alone.features)):
+            # float32 rounding of products over other row counts: 1e-5 of the row's scale
+            assert mx.abs(ours[i] - theirs[0]).max() <= 1e-5 * mx.abs(theirs[0]).max(), i
+        assert mx.array_equal(shared.logits[i].argmax(-1), alone.logits[0].argmax(-1)), i
+
+
+def test_a_forward_of_several_rows_needs_caches_that_can_share_it(family):
+    model, _, _ = family("gemma4_text")  # sliding-window layers
+    target = TargetAdapter(model)
+    with pytest.raises(ValueError, match="plain KV caches"):
+        target.forward(mx.array([[5, 6], [7, 8]]), [target.make_cache(), target.make_cache()])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4_text"])
+def test_a_one_row_tree_forward_is_each_paths_own_forward(family, name):
+    """A chain-shaped tree verifies as the chain does, bit for bit; every node of a branching
+    tree gets the logits of the one-position decoding of its root-to-node path."""
+    model, _, _ = family(name)
+    target = TargetAdapter(model)
+
+    def prefilled() -> list:
+        cache = target.make_cache()
+        target.forward(mx.array(PROMPT)[None], [cache], prompt=True)
+        return cache
+
+    tokens = mx.array([[5, 9, 11, 13, 17, 19]])
+    chain = target.forward(tokens, [prefilled()]).logits
+    as_tree = target.forward(tokens, [prefilled()], [tree_shape([-1, 0, 1, 2, 3, 4])]).logits
+    assert mx.array_equal(as_tree, chain)
+    tree = random_tree(seed=3, size=10, vocab=300)
+    shape = TreeShape(tree.depths, ancestor_mask(tree.parents))
+    logits = target.forward(mx.array(tree.tokens)[None], [prefilled()], [shape]).logits[0]
+    for node in range(len(tree)):
+        cache = prefilled()
+        for n in tree.path(node):
+            decoded = target.forward(mx.array([[tree.tokens[n]]]), [cache]).logits[0, -1]
+        assert mx.allclose(logits[node], decoded, atol=1e-4, rtol=1e-4), node
+        assert logits[node].argmax().item() == decoded.argmax().item(), node
