@@ -62,11 +62,14 @@ class Plan:
 class Cycle:
     """A finished cycle, as a size policy learns from it: draft tokens verified, accepted
     (the leading ones of a chain; a tree's accepted path), wall time, and for a tree the
-    drafter's path probabilities of its verified nodes and the accepted path's nodes."""
+    drafter's path probabilities of its verified nodes and the accepted path's nodes. A
+    cycle several replies shared is recorded once per row it planned: the first row with
+    the cycle's time, the others with None (their acceptance alone, the cycle counted and
+    costed once)."""
 
     proposed: int
     accepted: int
-    seconds: float
+    seconds: float | None
     probabilities: list[float] | None = None
     path: list[int] | None = None  # a tree's accepted path: node indices from the root
 
@@ -125,7 +128,6 @@ class AdaptiveBlock:
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while block 1 is best
     fixed_costs: dict[int, float] | None = None  # costs by size instead of timings (sampling)
-    pooled: AdaptiveBlock | None = None  # whose acceptance counts to use instead of its own
     sizes: list[int] = field(init=False)
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -151,8 +153,6 @@ class AdaptiveBlock:
 
     def acceptance_rates(self) -> list[float]:
         """a_1 .. a_{block_size - 1}: estimated acceptance of each draft given the ones before."""
-        if self.pooled is not None:
-            return self.pooled.acceptance_rates()
         rates, previous = [], self.first_rate
         for tried, accepted in zip(self.tried, self.accepted):
             previous = (accepted + self.prior_weight * previous) / (tried + self.prior_weight)
@@ -203,11 +203,10 @@ class AdaptiveBlock:
     def record(self, cycle: Cycle) -> None:
         """One finished chain cycle."""
         block_size, committed = cycle.proposed + 1, cycle.accepted + 1
-        self.cycles += 1
-        if self.timed:
-            running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
-        if self.pooled is not None:
-            return
+        if cycle.seconds is not None:
+            self.cycles += 1
+            if self.timed:
+                running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
         if block_size > 1:  # plain steps say nothing about the drafter: keep its counts
             self.tried = [t * self.decay for t in self.tried]
             self.accepted = [a * self.decay for a in self.accepted]
@@ -310,7 +309,8 @@ class AdaptiveTree:
         if probabilities:  # only a tree tells the drafter's calibration
             self.accepted = self.decay * self.accepted + cycle.accepted
             self.predicted = self.decay * self.predicted + sum(probabilities)
-        running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
+        if cycle.seconds is not None:
+            running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
 
 
 # A tree cycle's cost by verified positions (budget + 1), relative to a plain step, for sampled
@@ -455,11 +455,11 @@ class AdaptiveStrategy:
 
     def record(self, cycle: Cycle) -> None:
         """One finished cycle: a chain, or a tree (with its accepted path)."""
-        self.cycles += 1
+        self.cycles += cycle.seconds is not None
         tree = cycle.path is not None
         if tree and not cycle.proposed:
             return  # the root alone (a reply's last token): nothing learned
-        if self.timed:
+        if self.timed and cycle.seconds is not None:
             running_average(self.seconds[tree], cycle.proposed + 1, cycle.seconds, self.smoothing)
         for plan in self.arms():
             self.tokens[plan] = self.decay * self.tokens.get(plan, 0.0)

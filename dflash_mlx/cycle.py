@@ -475,10 +475,13 @@ def _record(
     queued: Pending | None = None,
     path: list[int] | None = None,
 ) -> None:
-    """Tell the policy that planned the row what it verified, accepted and cost."""
+    """Tell the policy that planned the row what it verified, accepted and cost (the cost
+    once per cycle: a policy that planned rows before this one in it gets None)."""
     seconds = time.perf_counter() - started + pending.launching
     if queued is not None:
         seconds -= queued.launching
+    if any(other.policy is row.policy for other in pending.rows[: pending.rows.index(row)]):
+        seconds = None
     if row.tree is None:
         row.policy.record(Cycle(row.size - 1, accepted, seconds))
     else:

@@ -96,10 +96,8 @@ class Batch:
 
     def add(self, reply: Reply) -> None:
         """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
-        drafting = reply.seq.proposer.drafting
-        if self.draft is not None and drafting is not None and drafting.draft is not self.draft:
-            raise ValueError("replies in one batch must draft with the batch's drafter")
-        taps = next(filter(None, (r.seq.proposer.layer_ids for r in self.every)), None)
+        taps = self.draft.config.target_layer_ids if self.draft is not None else None
+        taps = taps or next(filter(None, (r.seq.proposer.layer_ids for r in self.every)), None)
         layer_ids = reply.seq.proposer.layer_ids
         if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")

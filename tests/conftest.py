@@ -111,3 +111,28 @@ def train_data(train_target_dir, tmp_path_factory):
     cli.main(["train", "data", *common, *data])
     cli.main(["train", "features", *common, "--taps", ",".join(map(str, helpers.TRAIN_TAPS))])
     return work
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Each cycle launched meanwhile, as (its rows, which rows were trees, which of those
+    held the prompt lookup's grafts)."""
+    from dflash_mlx import cycle
+    from dflash_mlx.proposers import LookupProposer
+
+    seen = []
+    launch = cycle.launch
+
+    def recorded(rows):
+        pending = launch(rows)
+        trees = [row.tree is not None and len(row.tree) > 1 for row in pending.rows]
+        grafted = [
+            isinstance(row.reply.seq.proposer, LookupProposer)
+            and any(node >= 0 for node in row.reply.seq.proposer.nodes)
+            for row in pending.rows
+        ]
+        seen.append((len(pending.rows), trees, grafted))
+        return pending
+
+    monkeypatch.setattr(cycle, "launch", recorded)
+    return seen

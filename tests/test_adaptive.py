@@ -105,8 +105,8 @@ def simulate_batch(widths: ByWidth, own, rates, cost, rows: int, cycles: int, se
             while accepted < n - 1 and rng.random() < rates[accepted]:
                 accepted += 1
             tried.append((n - 1, accepted))
-        for proposed, accepted in tried:  # each row tells the policy that planned it
-            policy.record(Cycle(proposed, accepted, cost(rows, n)))
+        for j, (proposed, accepted) in enumerate(tried):  # each row, the cycle's cost once
+            policy.record(Cycle(proposed, accepted, None if j else cost(rows, n)))
         tokens += sum(a + 1 for _, a in tried)
         seconds += cost(rows, n)
         sizes.append(n)

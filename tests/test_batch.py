@@ -1,5 +1,6 @@
-"""Several replies decoded together (`make_batch`: `loop.Batch` with `batched.BatchedChain`): every
-reply equals its own greedy reply, whatever else shares its cycles, joins or leaves."""
+"""Several replies decoded together (`make_batch`: `loop.Batch`, whose shared cycles are
+`cycle.py`'s for several rows): every reply equals its own greedy reply, whatever else
+shares its cycles, joins or leaves."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +11,8 @@ from test_families import NoisyOracleDraft as NoisyContinuation
 from test_sampling import SIGNIFICANCE, NoisyOracleDraft, chi2_pvalue, exact_second_token
 
 from dflash_mlx import make_batch, make_prompt_cache, stream_generate
+from dflash_mlx.adaptive import Plan
+from dflash_mlx.plan import FixedPlan
 from dflash_mlx.proposers import DrafterProposer, Proposer, observe
 from dflash_mlx.sampling import make_logprobs_transform
 from dflash_mlx.target import TargetAdapter
@@ -43,7 +46,7 @@ def interleave(generators: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-tied-gqa"])
-def test_batched_replies_equal_their_own_greedy_replies(loaded, name):
+def test_batched_replies_equal_their_own_greedy_replies(loaded, launched, name):
     model, tokenizer, draft = loaded(name)
     tokenizer = no_eos(tokenizer)
     batch = make_batch(model, draft)
@@ -56,8 +59,9 @@ def test_batched_replies_equal_their_own_greedy_replies(loaded, name):
             model, oracle, tokenizer, prompt, max_tokens=MAX_TOKENS, batch=batch
         )
     assert interleave(generators) == expected
-    shared = batch.chain.policy.by_rows
-    assert max(shared) >= 3 and shared[max(shared)].cycles > 0  # they shared cycles
+    widths = {rows for rows, _, _ in launched}
+    assert max(widths) >= 3  # they shared cycles
+    assert {rows for rows, _ in batch.widths.policies} == widths - {1}  # each width measured
     assert not batch.replies and batch.held is None  # all gone, the capture closed
 
 
@@ -127,14 +131,14 @@ def test_the_shipped_kind_of_drafter_and_plain_rows_share_cycles(loaded):
     assert interleave(generators) == expected
 
 
-def test_a_batch_of_one_is_the_single_reply_path(loaded):
+def test_a_batch_of_one_is_the_single_reply_path(loaded, launched):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     prompt = prompts(1)[0]
     alone = [r.tokens for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=30)]
     batch = make_batch(model, draft)
     shared = stream_generate(model, draft, tokenizer, prompt, max_tokens=30, batch=batch)
     assert [r.tokens for r in shared] == alone
-    assert not batch.chain.policy.by_rows  # one reply never shares a cycle
+    assert {rows for rows, _, _ in launched} == {1}  # one reply never shares a cycle
 
 
 def test_one_drafter_forward_proposes_for_each_row_what_it_would_alone(loaded):
@@ -180,7 +184,7 @@ class RowsNoisyOracle(NoisyOracleDraft):
 
 
 @pytest.mark.slow
-def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded):
+def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded, launched):
     """600 replies in shared cycles of 4 rows, one draft each, accepted by speculative
     sampling: each reply's second token follows the target's own law."""
     model, tokenizer, draft = loaded("llama-tied-gqa")
@@ -191,7 +195,7 @@ def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded):
     seconds, accepted = [], []
     for _ in range(150):
         batch = make_batch(model, oracle)
-        batch.chain.policy.plan = lambda rows: 1  # every shared cycle drafts one per row
+        batch.widths.policy = lambda own, rows: FixedPlan(Plan(1))  # one draft per row
         generators = [
             stream_generate(
                 model, oracle, tokenizer, prompt, max_tokens=3, temperature=1.0, batch=batch
@@ -199,7 +203,7 @@ def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded):
             for _ in range(4)
         ]  # the four join the batch's first cycle: prefills, then one shared cycle
         replies = [[next(g) for g in generators] for _ in range(2)]
-        assert max(batch.chain.policy.by_rows) == 4
+        assert max(rows for rows, _, _ in launched) == 4
         seconds += [r.tokens[0] for r in replies[1]]
         accepted += [r.accepted for r in replies[1]]
     assert 0.02 < np.mean(accepted) < 0.98  # both the accept and the resample paths ran

@@ -13,6 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_batch import no_eos, prompts
 
 from dflash_mlx import make_batch, stream_generate
+from dflash_mlx.adaptive import Plan
+from dflash_mlx.plan import FixedPlan
 from dflash_mlx.target import TargetAdapter
 
 MAX_TOKENS = 24
@@ -141,7 +143,7 @@ def run(batch, generators: dict, replies: dict) -> tuple[dict, dict]:
 def shared_batch(model, draft):
     """A batch whose shared cycles draft 3 tokens a row (not as measured costs choose)."""
     batch = make_batch(model, draft)
-    batch.chain.policy.plan = lambda rows: 3
+    batch.widths.policy = lambda own, rows: FixedPlan(Plan(3))
     return batch
 
 
@@ -156,7 +158,9 @@ INJECTED = {
 
 
 @pytest.mark.parametrize("stage", list(INJECTED))
-def test_a_failing_reply_ends_alone_the_others_are_their_solo_replies(loaded, monkeypatch, stage):
+def test_a_failing_reply_ends_alone_the_others_are_their_solo_replies(
+    loaded, monkeypatch, launched, stage
+):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     tokenizer = no_eos(tokenizer)
     texts = prompts(4)
@@ -177,7 +181,7 @@ def test_a_failing_reply_ends_alone_the_others_are_their_solo_replies(loaded, mo
     assert errors == {CULPRIT: f"Boom: {stage}"}
     assert tokens[CULPRIT] == truths[CULPRIT][: len(tokens[CULPRIT])]  # right up to its error
     assert {i: tokens[i] for i in (0, 2, 3)} == {i: truths[i] for i in (0, 2, 3)}
-    assert max(batch.chain.policy.by_rows) == 4  # the four shared cycles
+    assert max(rows for rows, _, _ in launched) == 4  # the four shared cycles
     assert not batch.replies and batch.held is None
 
 
@@ -199,7 +203,7 @@ def test_a_prefill_failure_ends_that_reply_alone(loaded):
         assert tokens[i] == reference_greedy(model, texts[i], MAX_TOKENS, set())
 
 
-def test_seeded_sampled_replies_beside_a_failing_one_are_their_solo_replies(loaded):
+def test_seeded_sampled_replies_beside_a_failing_one_are_their_solo_replies(loaded, launched):
     """The library's default strategy and coupled sampling: each seeded reply that shared
     its cycles with a reply that failed is the reply its seed gives alone."""
     model, tokenizer, draft = loaded("llama-tied-gqa")
@@ -220,7 +224,7 @@ def test_seeded_sampled_replies_beside_a_failing_one_are_their_solo_replies(load
     tokens, errors = run(batch, generators, replies)
     assert errors == {CULPRIT: "Boom: processor"}
     assert {i: tokens[i] for i in alone} == alone
-    assert max(batch.chain.policy.by_rows) == 4
+    assert max(rows for rows, _, _ in launched) == 4
 
 
 @pytest.mark.parametrize("failing", [False, True])
@@ -241,7 +245,7 @@ def test_finished_replies_are_freed_without_the_cyclic_collector(loaded, failing
             generators[i] = join(
                 batch, i, replies, model, draft, tokenizer, prompt, max_tokens=MAX_TOKENS, **kwargs
             )
-        kept = [(r, r.step, r.seq, r.seq.cache[0]) for r in replies.values()]
+        kept = [(r, r.policy, r.seq, r.seq.cache[0]) for r in replies.values()]
         refs = [weakref.ref(o) for objects in kept for o in objects]
         del kept
         next(generators[3])

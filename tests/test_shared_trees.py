@@ -9,9 +9,7 @@ from test_batch import interleave, no_eos
 from test_dflash2 import dflash2_pair  # noqa: F401 (a fixture)
 from test_dspark import dspark_pair  # noqa: F401 (a fixture)
 
-import dflash_mlx
 from dflash_mlx import load, load_draft, make_batch, stream_generate
-from dflash_mlx.proposers import LookupProposer
 
 MAX_TOKENS = 32
 
@@ -25,27 +23,6 @@ def repeating_prompts(count: int) -> list[list[int]]:
         phrase = rng.integers(4, 300, size=int(rng.integers(4, 9))).tolist()
         out.append(phrase * 3 + phrase[:2])
     return out
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """Each launched cycle's rows: (how many, which were trees, which trees held grafts)."""
-    seen = []
-    launch = dflash_mlx.cycle.launch
-
-    def recorded(rows):
-        pending = launch(rows)
-        trees = [row.tree is not None and len(row.tree) > 1 for row in pending.rows]
-        grafted = [
-            isinstance(row.reply.seq.proposer, LookupProposer)
-            and any(node >= 0 for node in row.reply.seq.proposer.nodes)
-            for row in pending.rows
-        ]
-        seen.append((len(pending.rows), trees, grafted))
-        return pending
-
-    monkeypatch.setattr(dflash_mlx.cycle, "launch", recorded)
-    return seen
 
 
 def shared_replies(model, draft, tokenizer, texts, **settings) -> dict:
