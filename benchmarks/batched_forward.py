@@ -9,8 +9,8 @@ published shape (`--shape`, `cycle_cost.py`'s), each row with its own cache of a
 `--context`-token prompt. Per (rows, positions) it times, alternated in one run,
 one shared forward over every row's positions against the rows' separate forwards
 (the same work one at a time), both evaluated to the logits, and prints milliseconds
-and both as multiples of one plain decoding step (1 row, 1 position): what the batch
-width policy (`adaptive.BatchedBlock`) weighs against each row's expected accepted
+and both as multiples of one plain decoding step (1 row, 1 position): what the batch's
+policy for that many rows (`plan.ByWidth`) weighs against each row's expected accepted
 tokens.
 """
 

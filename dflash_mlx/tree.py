@@ -15,7 +15,7 @@ The target then runs once over all nodes: each node sees the committed context
 and its ancestors (`ancestor_mask`) at the position of its depth. Walking the
 target's own choices down from the root gives the longest accepted path.
 Past `top_candidates` or `ranked_edges` (one read from the device), everything
-here is host-side arithmetic on small lists; the tree step (`steps.py`) does the forwards.
+here is host-side arithmetic on small lists; the cycle (`cycle.py`) does the forwards.
 """
 
 from __future__ import annotations
