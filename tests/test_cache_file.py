@@ -4,8 +4,10 @@ the whole prompt, for every kind of cache the targets use and with mlx-lm's cach
 (the file's own); a file made for another target or drafter, or altered in any field, is
 refused in one line; a killed `cache-prompt` leaves nothing behind after the next."""
 
+import io
 import json
 import os
+import shlex
 import subprocess
 from functools import partial
 from itertools import takewhile
@@ -22,7 +24,7 @@ from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
 from tqdm import tqdm
 
-from dflash_mlx import cache_prompt, make_prompt_cache
+from dflash_mlx import cache_prompt, cli, make_prompt_cache
 from dflash_mlx.cache_file import (
     DEFAULT_OPTIONS,
     PromptCacheError,
@@ -160,7 +162,21 @@ def continued_ids(wrapper, document: str, question: str) -> tuple[list[int], lis
     return ids, wrapper.encode(suffix, add_special_tokens=False)
 
 
-def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path):
+def refusal(argv: str, stdin: str, monkeypatch, capsys) -> str:
+    """The last line `dflash-mlx ARGV` (`stdin` its input) writes as it exits with status 1,
+    run in this process: a one-line error, no traceback."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(shlex.split(argv))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def test_cache_prompt_then_generate_goes_on_from_it(
+    make_pair, loaded, tmp_path, monkeypatch, capsys
+):
     target, draft = make_pair("llama-tied-gqa")
     _, wrapper, _ = loaded("llama-tied-gqa")
     path = tmp_path / "doc.safetensors"
@@ -178,11 +194,8 @@ def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path)
     expected, _ = decode_greedy(loaded("llama-tied-gqa")[0], wrapper, cached_ids + rest, 16)
     assert json.loads(out.stdout)["text"] == expected
     other, _ = make_pair("qwen3-tied-gqa")
-    refused = dflash(
-        f"generate --model {other} --no-draft --prompt-cache-file {path}", TEXT_QUESTION
-    )
-    assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().splitlines()[-1] == (
+    argv = f"generate --model {other} --no-draft --prompt-cache-file {path}"
+    assert refusal(argv, TEXT_QUESTION, monkeypatch, capsys) == (
         f"dflash-mlx generate: error: {path} was made for another target model (or another dtype)"
     )
 
@@ -198,7 +211,7 @@ KV_FLAGS = {  # mlx-lm's cache flags, and the options they set
 
 @pytest.mark.parametrize("case", list(KV_FLAGS))
 def test_cache_prompt_takes_the_kv_cache_flags_and_generate_goes_on_with_them(
-    make_pair, loaded, tmp_path, case
+    make_pair, loaded, tmp_path, case, monkeypatch, capsys
 ):
     flags, options = KV_FLAGS[case]
     target, draft = make_pair("qwen3-untied-mha")  # head_dim 32: keys quantize in groups of 32
@@ -214,9 +227,8 @@ def test_cache_prompt_takes_the_kv_cache_flags_and_generate_goes_on_with_them(
     tokens = mlx_lm_continued(model, cached_ids, rest, 16, **options)
     reply = list(takewhile(lambda t: t not in wrapper.eos_token_ids, tokens))
     assert json.loads(out.stdout)["text"] == detokenized(wrapper, reply)
-    refused = dflash(f"generate {cache_file} --kv-bits 8 -m 4", TEXT_QUESTION)
-    assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().splitlines()[-1] == (
+    argv = f"generate {cache_file} --kv-bits 8 -m 4"
+    assert refusal(argv, TEXT_QUESTION, monkeypatch, capsys) == (
         f"dflash-mlx generate: error: {path} was made with kv_bits={options.get('kv_bits')}, "
         "not 8: leave out --kv-bits (the file's cache options are used), or make the file with it"
     )
@@ -384,9 +396,8 @@ def test_cache_prompt_writes_the_name_given_and_what_a_killed_run_left_goes(make
 def test_generate_and_serve_refuse_an_altered_file_at_startup(make_pair, tmp_path):
     target, draft = make_pair("llama-tied-gqa")
     path = tmp_path / "doc.safetensors"
-    made = dflash(f"cache-prompt --model {target} --draft {draft} --prompt-cache-file {path}", "Hi")
-    assert made.returncode == 0, made.stderr
     models = f"--model {target} --draft {draft}"
+    cli.main(["cache-prompt", *models.split(), "--prompt-cache-file", str(path), "-p", "Hi"])
     for command, case in (
         ("generate -m 4", "no model field"),
         ("generate -m 4", "float16 keys"),

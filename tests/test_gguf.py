@@ -376,20 +376,17 @@ def test_smollm2_greedy_chat_is_coherent(smollm2):
     assert len(set(words)) >= len(words) / 2, answer  # not a loop of one phrase
 
 
-def test_convert_cli_imports_a_gguf(tiny, tmp_path):
-    import subprocess
-    import sys
-
+def test_convert_cli_imports_a_gguf(tiny, tmp_path, capsys):
     import dflash_mlx
+    from dflash_mlx import cli
 
     out = tmp_path / "cli-import"
-    cmd = [sys.executable, "-m", "dflash_mlx", "convert", "--gguf", str(tiny[0]), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    cli.main(["convert", "--gguf", str(tiny[0]), "--out", str(out)])
     model, _ = dflash_mlx.load(out)
     assert model.model_type == "llama"
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf at all")
-    cmd[cmd.index(str(tiny[0]))] = str(tmp_path / "bad.gguf")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["convert", "--gguf", str(tmp_path / "bad.gguf"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "not a GGUF file" in err and "Traceback" not in err

@@ -2,17 +2,21 @@
 mlx_lm.generate, chat, server and cache_prompt is taken, or refused by name with a reason."""
 
 import argparse
+import io
 import json
 import re
 import shlex
 import subprocess
 import sys
+from contextlib import redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import pytest
 from helpers import mlx_lm_greedy
 from mlx.utils import tree_flatten
+from mlx_lm import cli as mlx_lm_cli
 from test_cli import dflash
 from test_server import running_server
 
@@ -32,10 +36,21 @@ COMMANDS = {
 REQUIRED = {"cache-prompt": ["--prompt-cache-file", "x.safetensors"]}
 
 
+def run_mlx_lm(argv: list[str]) -> str:
+    """What `python -m mlx_lm ARGV` prints, run in this process (a fresh interpreter would
+    take seconds to import it): mlx-lm's own command-line entry point, its argv swapped."""
+    out = io.StringIO()
+    with mock.patch.object(sys, "argv", ["mlx_lm", *argv]), redirect_stdout(out):
+        try:
+            mlx_lm_cli.main()
+        except SystemExit as exit_info:
+            assert exit_info.code in (None, 0), out.getvalue()
+    return out.getvalue()
+
+
 def mlx_lm_flags(command: str) -> set[str]:
     """Every option string `python -m mlx_lm <command> --help` lists."""
-    cmd = [sys.executable, "-m", "mlx_lm", command, "--help"]
-    help_text = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT).stdout
+    help_text = run_mlx_lm([command, "--help"])
     options = help_text.split("\noptions:\n", 1)[1]
     flags = set()
     for spec in re.findall(r"^  (-\S.*?)(?:  |$)", options, re.M):
@@ -172,10 +187,7 @@ def test_every_flag_says_what_it_does_and_its_default():
 
 def mlx_lm_generate(line: str) -> str:
     """What `python -m mlx_lm generate LINE` prints."""
-    cmd = [sys.executable, "-m", "mlx_lm", "generate", *shlex.split(line)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    return run_mlx_lm(["generate", *shlex.split(line)])
 
 
 def save_adapter(target: Path, path: Path) -> Path:

@@ -20,7 +20,7 @@ from test_cli import decode_greedy, greedy_text
 from test_generate import oracle_for
 from test_stops import stop_in
 
-from dflash_mlx import GenerationSettings
+from dflash_mlx import GenerationSettings, cli
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 from dflash_mlx.server import Worker, create_app
 
@@ -527,14 +527,10 @@ def test_full_wait_queue_answers_503_with_retry_after(loaded):
         ("--request-timeout", "0", "--request-timeout must be above 0"),
     ],
 )
-def test_limit_flags_are_checked(flag, value, message):
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "serve", "--model", "x", "--no-draft", flag, value],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert out.returncode != 0 and message in out.stderr
+def test_limit_flags_are_checked(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # before anything loads: "x" is no model
+        cli.main(["serve", "--model", "x", "--no-draft", flag, value])
+    assert exit_info.value.code != 0 and message in capsys.readouterr().err
 
 
 def test_non_streaming_client_disconnect_stops_its_generation(server):
