@@ -158,6 +158,7 @@ class Row:
     size: int
     drafts: mx.array
     tree: Tree | None = None
+    drafted: bool = False  # whether the proposer drafted its tree (else the root alone)
     verdict: Verdict | None = None
     logits: mx.array | None = None
     choices: mx.array | None = None
@@ -219,8 +220,8 @@ def _launch(
         start = reply.seq.cache[0].offset
         root_id = mx.array([root]) if isinstance(root, int) else root
         if plan.tree:
-            tree = trees[i]
-            built.append(Row(reply, root, policy, plan, start, len(tree), NONE, tree))
+            tree, drafted = trees[i]
+            built.append(Row(reply, root, policy, plan, start, len(tree), NONE, tree, drafted))
             tokens.append(mx.array(tree.tokens))
             logqs.append(None)
         else:
@@ -283,11 +284,11 @@ def _chains(
 
 def _trees(
     rows: list[tuple[Reply, int | mx.array, Policy]], plans: list[Plan], roots: list
-) -> dict[int, Tree]:
-    """Each tree row's tree, by row: up to its plan's budget of nodes, at most its reply's
-    depth deep (and no deeper than it has tokens left), fitted by its policy; those drafting
-    with one drafter in one drafter forward (`proposers.trees`). A tree of depth 0 is the
-    root alone."""
+) -> dict[int, tuple[Tree, bool]]:
+    """Each tree row's tree and whether it was drafted, by row: up to its plan's budget of
+    nodes, at most its reply's depth deep (and no deeper than it has tokens left), fitted by
+    its policy; those drafting with one drafter in one drafter forward (`proposers.trees`).
+    A tree of depth 0 is the root alone, not drafted."""
     out, drafting, depths = {}, [], []
     for i, plan in enumerate(plans):
         if not plan.tree:
@@ -295,7 +296,7 @@ def _trees(
         seq = rows[i][0].seq
         limit = seq.target.forward_limit(seq.cache, rows[i][0].remaining) - 1
         depth = min(rows[i][0].depth, limit, plan.drafts)
-        out[i] = Tree([roots[i]], [-1], [0])
+        out[i] = Tree([roots[i]], [-1], [0]), False
         if depth > 0:
             drafting.append(i)
             depths.append(depth)
@@ -308,7 +309,7 @@ def _trees(
         [v.tree_scores if v.coupled else None for v in verifiers],
     )
     for i, tree in zip(drafting, drafted):
-        out[i] = tree.first(rows[i][2].fit(tree.probabilities()) + 1)
+        out[i] = tree.first(rows[i][2].fit(tree.probabilities()) + 1), True
     return out
 
 
@@ -366,6 +367,8 @@ def settle(
     decoding does, so that on a GPU building the next graph overlaps this step's
     computation. A failure is raised with every reply back where it stood before the
     cycle (`Mark`)."""
+    if not pending.rows:  # every reply left it
+        return []
     with put_back_on_failure(pending.replies, pending.marks):
         return _settle(pending, started, launch_next)
 
@@ -460,7 +463,7 @@ def _walk(row: Row, choices: list[int] | None) -> tuple[Commit, list[int]]:
         path_logits = mx.concatenate([processed[node] for node in path])
     else:
         path_logits = logits[mx.array(path)]
-    if len(tree) > 1:
+    if row.drafted:
         seq.proposer.verified(tree, path)
     tokens = [tree.tokens[node] for node in path]
     accepted = len(path) - 1

@@ -180,8 +180,9 @@ class Batch:
         """The shared cycle's commits. Where it fails, its replies are back where they stood
         and each launches the cycle again alone, settled in this cycle as its own."""
         shared, self.shared = self.shared, None
+        started = min((reply.started for reply in shared.replies), default=0.0)
         try:
-            return cycle.settle(shared, shared.replies[0].started)
+            return cycle.settle(shared, started)
         except Exception:
             roots = [(row.reply, row.root) for row in shared.rows]
             self._each(self._launch_alone, roots)
