@@ -63,7 +63,7 @@ class Commit:
     rows: int = 1
 
 
-class Sequence:
+class ReplyState:
     """One reply's state that its cycles share: the target, the prompt cache (its target
     caches, `cache`, and the tokens they hold, `tokens`), the proposer and the verifier."""
 
@@ -87,7 +87,7 @@ class Reply:
     """One reply a batch advances: its sequence and policy (what each cycle verifies), its
     prompt and limits, the commits not yet consumed, and the cycle launched for it."""
 
-    seq: Sequence
+    state: ReplyState
     policy: Policy
     prompt: list[int]
     max_tokens: int
@@ -117,18 +117,18 @@ class Mark:
     tokens: int
 
     @classmethod
-    def of(cls, seq: Sequence) -> Mark:
-        return cls([c.offset for c in cycle_caches(seq)], len(seq.tokens))
+    def of(cls, state: ReplyState) -> Mark:
+        return cls([c.offset for c in cycle_caches(state)], len(state.tokens))
 
-    def put_back(self, seq: Sequence) -> None:
-        for cache, offset in zip(cycle_caches(seq), self.offsets):
+    def put_back(self, state: ReplyState) -> None:
+        for cache, offset in zip(cycle_caches(state), self.offsets):
             cache.trim(cache.offset - offset)
-        del seq.tokens[self.tokens :]
+        del state.tokens[self.tokens :]
 
 
-def cycle_caches(seq: Sequence) -> list:
+def cycle_caches(state: ReplyState) -> list:
     """Every cache a cycle writes to: the target's and the drafter's."""
-    return seq.cache + seq.prompt_cache.draft
+    return state.cache + state.prompt_cache.draft
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def put_back_on_failure(replies: list[Reply], marks: list[Mark]) -> Iterator[Non
         yield
     except Exception:
         for reply, mark in zip(replies, marks):
-            mark.put_back(reply.seq)
+            mark.put_back(reply.state)
         raise
 
 
@@ -187,7 +187,7 @@ def launch(rows: list[tuple[Reply, int | mx.array, Policy]]) -> Pending:
     reply back where it stood (`Mark`). A lone reply whose target refuses its first tree
     forward (`TargetAdapter.check_tree` could not tell) chains from then on."""
     plans = [policy.plan() for _, _, policy in rows]
-    marks = [Mark.of(reply.seq) for reply, _, _ in rows]
+    marks = [Mark.of(reply.state) for reply, _, _ in rows]
     try:
         with put_back_on_failure([reply for reply, _, _ in rows], marks):
             return _launch(rows, plans, marks)
@@ -210,14 +210,14 @@ def _launch(
     waited = time.perf_counter() - tic
     contexts = []
     for (reply, _, _), root in zip(rows, roots):
-        seq = reply.seq
-        seq.verifier.at(len(seq.tokens) + 1, seq.target.vocab_size)
-        contexts.append(seq.tokens + [root] if seq.verifier.processors else None)
+        state = reply.state
+        state.verifier.at(len(state.tokens) + 1, state.target.vocab_size)
+        contexts.append(state.tokens + [root] if state.verifier.processors else None)
     chains = _chains(rows, plans, roots, contexts)
     trees = _trees(rows, plans, roots)
     built, logqs, tokens = [], [], []
     for i, ((reply, _, policy), plan, root) in enumerate(zip(rows, plans, roots)):
-        start = reply.seq.cache[0].offset
+        start = reply.state.cache[0].offset
         root_id = mx.array([root]) if isinstance(root, int) else root
         if plan.tree:
             tree, drafted = trees[i]
@@ -236,10 +236,10 @@ def _launch(
     else:  # a shared cycle's roots are known: only a lone reply's may be on the device
         batch = mx.stack([_padded(t, row.root, positions) for t, row in zip(tokens, built)])
     shapes = [_shape(row, positions) if row.tree else None for row in built]
-    taps = next(filter(None, (reply.seq.proposer.layer_ids for reply, _, _ in rows)), None)
-    target = rows[0][0].seq.target
+    taps = next(filter(None, (reply.state.proposer.layer_ids for reply, _, _ in rows)), None)
+    target = rows[0][0].state.target
     forward = target.forward(
-        batch, [reply.seq.cache for reply, _, _ in rows], shapes if any(shapes) else None, taps
+        batch, [reply.state.cache for reply, _, _ in rows], shapes if any(shapes) else None, taps
     )
     for i, row in enumerate(built):
         _verdict(row, forward.logits[i, : row.size], logqs[i], contexts[i])
@@ -269,12 +269,12 @@ def _chains(
             continue
         if len(rows) > 1 and reply.max_drafts is not None:
             drafts = min(drafts, reply.max_drafts)
-        seq = reply.seq
-        n = seq.target.forward_limit(seq.cache, min(drafts + 1, reply.remaining))
+        state = reply.state
+        n = state.target.forward_limit(state.cache, min(drafts + 1, reply.remaining))
         if n > 1:
             wanted[i] = n - 1
     chains = proposers.chains(
-        [rows[i][0].seq.proposer for i in wanted],
+        [rows[i][0].state.proposer for i in wanted],
         [roots[i] for i in wanted],
         list(wanted.values()),
         [contexts[i] for i in wanted],
@@ -293,16 +293,16 @@ def _trees(
     for i, plan in enumerate(plans):
         if not plan.tree:
             continue
-        seq = rows[i][0].seq
-        limit = seq.target.forward_limit(seq.cache, rows[i][0].remaining) - 1
+        state = rows[i][0].state
+        limit = state.target.forward_limit(state.cache, rows[i][0].remaining) - 1
         depth = min(rows[i][0].depth, limit, plan.drafts)
         out[i] = Tree([roots[i]], [-1], [0]), False
         if depth > 0:
             drafting.append(i)
             depths.append(depth)
-    verifiers = [rows[i][0].seq.verifier for i in drafting]
+    verifiers = [rows[i][0].state.verifier for i in drafting]
     drafted = proposers.trees(
-        [rows[i][0].seq.proposer for i in drafting],
+        [rows[i][0].state.proposer for i in drafting],
         [roots[i] for i in drafting],
         depths,
         [plans[i].drafts for i in drafting],
@@ -331,13 +331,13 @@ def _verdict(row: Row, logits: mx.array, logq: mx.array | None, context: list[in
     its parent is the node's token, so every committed token is the target's own sample).
     Logits processors see each node's own path, and a verifier that chooses per row pays for
     the path's nodes alone: those choices are made during the walk (`_walk`)."""
-    verifier = row.reply.seq.verifier
+    verifier = row.reply.state.verifier
     if row.tree is None:
         row.verdict = verifier.verify(row.drafts, logq, logits, context)
         return
     row.logits = logits
     if not (verifier.processors or verifier.chooses_per_row):
-        first = len(row.reply.seq.tokens) + 1
+        first = len(row.reply.state.tokens) + 1
         row.choices = verifier.choices(logits, [first + depth for depth in row.tree.depths])
 
 
@@ -381,7 +381,7 @@ def _settle(
     read = [part.tolist() for part in read_together(parts, mx.int32)] if parts else []
     commits, kept = [], []
     for row in pending.rows:
-        seq = row.reply.seq
+        state = row.reply.state
         if row.tree is None:
             drafts, accepted, token = read[:3]
             read = read[3:]
@@ -390,8 +390,8 @@ def _settle(
                     queued.rows[0].root = token
                 _record(row, pending, started, 0, queued)
                 return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
-            seq.target.rollback(seq.cache, pending.positions - accepted - 1)
-            seq.tokens.extend([row.root, *drafts[:accepted]])
+            state.target.rollback(state.cache, pending.positions - accepted - 1)
+            state.tokens.extend([row.root, *drafts[:accepted]])
             kept.append(accepted + 1)
             logits = row.verdict.logits[: accepted + 1]
             commit = Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1)
@@ -399,8 +399,8 @@ def _settle(
         else:
             choices = read.pop(0) if row.choices is not None else None
             commit, path = _walk(row, choices)
-            keep_path(seq.cache, row.start, path)
-            seq.tokens.extend([row.tree.tokens[node] for node in path])
+            keep_path(state.cache, row.start, path)
+            state.tokens.extend([row.tree.tokens[node] for node in path])
             kept.append(path)
             _record(row, pending, started, len(path) - 1, path=path)
         commit.rows = len(pending.rows)
@@ -416,13 +416,13 @@ def _queue_next(
     (its features handed on, its root appended) and the reply's next cycle launched on its
     token, still on the device."""
     row = pending.rows[0]
-    reply, seq = row.reply, row.reply.seq
+    reply, state = row.reply, row.reply.state
     plain = row.tree is None and row.size == 1 and len(pending.rows) == 1
-    if not plain or reply.remaining <= 1 or seq.verifier.processors:
+    if not plain or reply.remaining <= 1 or state.verifier.processors:
         return None
-    seq.target.rollback(seq.cache, 0)
+    state.target.rollback(state.cache, 0)
     _observe(pending, [1])
-    seq.tokens.append(row.root)
+    state.tokens.append(row.root)
     tic = time.perf_counter()
     queued = launch_next(reply, row.verdict.token[None].astype(mx.int32))
     # the next cycle's host work is its own cost, not this one's
@@ -432,14 +432,14 @@ def _queue_next(
 
 def _observe(pending: Pending, kept: list[int | list[int]]) -> None:
     """Hand each row's proposer the target's features of the positions it kept."""
-    observing = [i for i, row in enumerate(pending.rows) if row.reply.seq.proposer.layer_ids]
+    observing = [i for i, row in enumerate(pending.rows) if row.reply.state.proposer.layer_ids]
     if not observing:
         return
     features = pending.features
     if len(observing) < len(pending.rows):
         features = features[mx.array(observing)]
     proposers.observe(
-        [pending.rows[i].reply.seq.proposer for i in observing],
+        [pending.rows[i].reply.state.proposer for i in observing],
         features,
         [kept[i] for i in observing],
     )
@@ -448,15 +448,15 @@ def _observe(pending: Pending, kept: list[int | list[int]]) -> None:
 def _walk(row: Row, choices: list[int] | None) -> tuple[Commit, list[int]]:
     """A tree row's commit and accepted path: the walk down the target's choices (made here,
     node by node, for a verifier with logits processors or one that chooses per row)."""
-    seq, tree, logits = row.reply.seq, row.tree, row.logits
+    state, tree, logits = row.reply.state, row.tree, row.logits
     processed: dict[int, mx.array] = {}
 
     def choose_processed(node: int) -> int:
-        context = seq.tokens + [tree.tokens[n] for n in tree.path(node)]
-        one = seq.verifier.process(logits[node : node + 1], context, NONE)
+        context = state.tokens + [tree.tokens[n] for n in tree.path(node)]
+        one = state.verifier.process(logits[node : node + 1], context, NONE)
         processed[node] = one
-        position = len(seq.tokens) + 1 + tree.depths[node]
-        return seq.verifier.choices(one, [position]).item()
+        position = len(state.tokens) + 1 + tree.depths[node]
+        return state.verifier.choices(one, [position]).item()
 
     path, after = walk(tree, choose_processed if choices is None else choices.__getitem__)
     if processed:
@@ -464,7 +464,7 @@ def _walk(row: Row, choices: list[int] | None) -> tuple[Commit, list[int]]:
     else:
         path_logits = logits[mx.array(path)]
     if row.drafted:
-        seq.proposer.verified(tree, path)
+        state.proposer.verified(tree, path)
     tokens = [tree.tokens[node] for node in path]
     accepted = len(path) - 1
     return Commit(tokens[1:] + [after], path_logits, accepted, len(tree) - 1, tree=True), path
@@ -495,7 +495,7 @@ def _record(
 def drop(pending: Pending, reply: Reply) -> None:
     """Take `reply` out of a launched cycle: its verified positions leave its caches."""
     i = pending.replies.index(reply)
-    reply.seq.target.rollback(reply.seq.cache, pending.positions)
+    reply.state.target.rollback(reply.state.cache, pending.positions)
     del pending.rows[i], pending.marks[i]
     if pending.features is not None:
         pending.features = mx.concatenate([pending.features[:i], pending.features[i + 1 :]])

@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .chat_format import encode_prompt
-from .cycle import Reply, Sequence
+from .cycle import Reply, ReplyState
 from .draft import DFlashDraft
 from .loop import Batch, replies
 from .plan import make_policy, plain_reason, settings_unset, strategy_note
@@ -152,11 +152,11 @@ def stream_generate(
     )
     if (settings.tree_budget or mixed) and settings.prompt_lookup:
         proposer = LookupProposer(prompt_ids, proposer)
-    seq = Sequence(target, prompt_cache, proposer, verifier)
+    state = ReplyState(target, prompt_cache, proposer, verifier)
     policy, depth = make_policy(settings, draft, target, prompt_cache, block_policy, mixed)
     max_drafts = settings.block_size - 1 if settings.block_size else None
     eos = set(tokenizer.eos_token_ids)
-    reply = Reply(seq, policy, prompt_ids, max_tokens, eos, depth, max_drafts)
+    reply = Reply(state, policy, prompt_ids, max_tokens, eos, depth, max_drafts)
     reply.prefill_step_size = settings.prefill_step_size
     reply.prompt_progress = prompt_progress_callback
     commits = replies(batch or Batch(target, draft), reply)

@@ -39,8 +39,8 @@ def prefill(reply: Reply, start: int) -> Commit:
     """Run the reply's prompt from `start` through the target (the proposer observing every
     position) and commit the target's choice after it, telling `prompt_progress` how much
     of it has run as mlx-lm does: 0 first, after each chunk, all once the token is read."""
-    seq, prompt, step = reply.seq, reply.prompt, reply.prefill_step_size
-    every_cache = seq.cache + seq.prompt_cache.draft
+    state, prompt, step = reply.state, reply.prompt, reply.prefill_step_size
+    every_cache = state.cache + state.prompt_cache.draft
     progress = reply.prompt_progress or (lambda processed, total: None)
     total = len(prompt) - start
     progress(0, total)
@@ -52,8 +52,8 @@ def prefill(reply: Reply, start: int) -> Commit:
         mx.eval([c.state for c in every_cache])
         progress(chunk_end - start, total)
     logits = _prefill_chunk(reply, prompt[-1:])
-    seq.verifier.at(len(prompt), seq.target.vocab_size)
-    first = seq.verifier.verify(cycle.NONE, None, logits[0, -1:], prompt)
+    state.verifier.at(len(prompt), state.target.vocab_size)
+    first = state.verifier.verify(cycle.NONE, None, logits[0, -1:], prompt)
     token = first.token.item()
     progress(total, total)
     return Commit([token], first.logits, prefilled=total)
@@ -62,11 +62,11 @@ def prefill(reply: Reply, start: int) -> Commit:
 def _prefill_chunk(reply: Reply, tokens: list[int]) -> mx.array:
     """Prompt `tokens` through the target, their features handed to the proposer; the
     logits (1, n, vocab), computed only if read."""
-    seq = reply.seq
-    taps = seq.proposer.layer_ids
-    forward = seq.target.forward(mx.array(tokens)[None], [seq.cache], taps=taps, prompt=True)
+    state = reply.state
+    taps = state.proposer.layer_ids
+    forward = state.target.forward(mx.array(tokens)[None], [state.cache], taps=taps, prompt=True)
     if taps:
-        proposers.observe([seq.proposer], forward.features, [len(tokens)])
+        proposers.observe([state.proposer], forward.features, [len(tokens)])
     return forward.logits
 
 
@@ -97,8 +97,8 @@ class Batch:
     def add(self, reply: Reply) -> None:
         """Take `reply`: it is prefilled at the next cycle, and its commits follow."""
         taps = self.draft.config.target_layer_ids if self.draft is not None else None
-        taps = taps or next(filter(None, (r.seq.proposer.layer_ids for r in self.every)), None)
-        layer_ids = reply.seq.proposer.layer_ids
+        taps = taps or next(filter(None, (r.state.proposer.layer_ids for r in self.every)), None)
+        layer_ids = reply.state.proposer.layer_ids
         if layer_ids and taps and layer_ids != taps:
             raise ValueError("replies in one batch must tap the same target layers")
         self.joining.append(reply)
@@ -198,9 +198,9 @@ class Batch:
         return cycle.launch([(reply, token, reply.policy)])
 
     def _prefill(self, reply: Reply) -> Commit:
-        start = reply.seq.prompt_cache.reuse(reply.prompt)
+        start = reply.state.prompt_cache.reuse(reply.prompt)
         commit = prefill(reply, start)
-        reply.seq.prompt_cache.tokens = list(reply.prompt)
+        reply.state.prompt_cache.tokens = list(reply.prompt)
         return commit
 
     def _finish(self, reply: Reply, commit: Commit) -> Commit:
@@ -217,7 +217,7 @@ class Batch:
             cycle.drop(commit.queued, reply)
             commit.queued = None
         elif not commit.finish:
-            reply.seq.proposer.committed(commit.tokens)
+            reply.state.proposer.committed(commit.tokens)
         return commit
 
     def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
@@ -257,10 +257,10 @@ class Batch:
         coupled one's (keyed by position), nor those of one sampling from the global random
         state; a seeded reply under another rule runs the cycles it would run alone, so the
         seed alone decides its reply."""
-        verifier = reply.seq.verifier
+        verifier = reply.state.verifier
         greedy = verifier.transform is None and verifier.sampler is None
         free = greedy or verifier.coupled or verifier.key is None
-        return batchable(reply.seq.cache) and free
+        return batchable(reply.state.cache) and free
 
 
 def make_batch(

@@ -127,8 +127,8 @@ def launched(monkeypatch):
         pending = launch(rows)
         trees = [row.tree is not None and len(row.tree) > 1 for row in pending.rows]
         grafted = [
-            isinstance(row.reply.seq.proposer, LookupProposer)
-            and any(node >= 0 for node in row.reply.seq.proposer.nodes)
+            isinstance(row.reply.state.proposer, LookupProposer)
+            and any(node >= 0 for node in row.reply.state.proposer.nodes)
             for row in pending.rows
         ]
         seen.append((len(pending.rows), trees, grafted))

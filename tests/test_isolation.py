@@ -28,7 +28,7 @@ class Boom(RuntimeError):
 
 def grown(reply, prompt: list[int]) -> bool:
     """Whether the reply has committed `GROWN` tokens (its caches hold them)."""
-    return len(reply.seq.tokens) >= len(prompt) + GROWN
+    return len(reply.state.tokens) >= len(prompt) + GROWN
 
 
 def failing_processor(prompt: list[int]):
@@ -62,24 +62,24 @@ class FailingDetokenizer(TokenizerWrapper):
 
 def fail_drafting(reply, prompt, monkeypatch):
     """The culprit's drafter proposals fail (shared: in the one drafter forward of all rows)."""
-    choose = reply.seq.proposer.choose
+    choose = reply.state.proposer.choose
 
     def failing(*args, **kwargs):
         if grown(reply, prompt):
             raise Boom("drafting")
         return choose(*args, **kwargs)
 
-    monkeypatch.setattr(reply.seq.proposer, "choose", failing)
+    monkeypatch.setattr(reply.state.proposer, "choose", failing)
 
 
 def fail_observing(reply, prompt, monkeypatch):
     """The drafter fails to take in the target's features of the culprit's kept positions
     (shared: in one drafter pass for all rows, as the cycle settles)."""
-    draft = reply.seq.proposer.draft
+    draft = reply.state.proposer.draft
     append = draft.append_context
 
     def failing(features, caches, counts=None):
-        if any(c is reply.seq.proposer.cache for c in caches) and grown(reply, prompt):
+        if any(c is reply.state.proposer.cache for c in caches) and grown(reply, prompt):
             raise Boom("observing")
         return append(features, caches, counts)
 
@@ -91,7 +91,7 @@ def fail_forward(reply, prompt, monkeypatch):
     forward = TargetAdapter.forward
 
     def failing_forward(self, tokens, caches, *args, **kwargs):
-        if any(cache is reply.seq.cache for cache in caches or []) and grown(reply, prompt):
+        if any(cache is reply.state.cache for cache in caches or []) and grown(reply, prompt):
             raise Boom("forward")
         return forward(self, tokens, caches, *args, **kwargs)
 
@@ -100,14 +100,14 @@ def fail_forward(reply, prompt, monkeypatch):
 
 def fail_verdict(reply, prompt, monkeypatch):
     """The culprit's verdict (its acceptance of its drafts) fails."""
-    verify = reply.seq.verifier.verify
+    verify = reply.state.verifier.verify
 
     def failing(*args, **kwargs):
         if grown(reply, prompt):
             raise Boom("verdict")
         return verify(*args, **kwargs)
 
-    monkeypatch.setattr(reply.seq.verifier, "verify", failing)
+    monkeypatch.setattr(reply.state.verifier, "verify", failing)
 
 
 def join(batch, key, replies: dict, *args, **kwargs):
@@ -245,7 +245,7 @@ def test_finished_replies_are_freed_without_the_cyclic_collector(loaded, failing
             generators[i] = join(
                 batch, i, replies, model, draft, tokenizer, prompt, max_tokens=MAX_TOKENS, **kwargs
             )
-        kept = [(r, r.policy, r.seq, r.seq.cache[0]) for r in replies.values()]
+        kept = [(r, r.policy, r.state, r.state.cache[0]) for r in replies.values()]
         refs = [weakref.ref(o) for objects in kept for o in objects]
         del kept
         next(generators[3])

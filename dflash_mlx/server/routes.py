@@ -23,7 +23,7 @@ from ..chat_format import chat_prompt
 from ..session import PROCESSOR_SETTINGS
 from .guards import Policy, parse
 from .schemas import PROMPT_CHARS_PER_TOKEN, ChatRequest, CompletionParams, TextRequest, text_size
-from .shapes import Reply, error
+from .shapes import OpenAIResponse, error
 from .worker import Job, QueueFull, Worker
 
 RETRY_AFTER_S = 5  # what a 503 for a full queue tells the client to wait
@@ -124,7 +124,9 @@ class Api:
         tools = getattr(body, "tools", None)
         with_logprobs = job.top_logprobs is not None
         tokenizer = self.worker.tokenizer
-        reply = Reply(kind, self.model_id, body.stream, tokenizer, ids, tools, with_logprobs)
+        reply = OpenAIResponse(
+            kind, self.model_id, body.stream, tokenizer, ids, tools, with_logprobs
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -173,7 +175,7 @@ class Api:
 
 
 async def whole(
-    request: Request, reply: Reply, responses: AsyncIterator, stop: threading.Event
+    request: Request, reply: OpenAIResponse, responses: AsyncIterator, stop: threading.Event
 ) -> dict | JSONResponse:
     """A non-streaming reply once its generation ends (stopped if its client leaves first)."""
     watcher = asyncio.create_task(stop_on_disconnect(request, stop))

@@ -84,7 +84,7 @@ def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     return tokenizer.response_initial_state or state
 
 
-class Reply:
+class OpenAIResponse:
     """The OpenAI response shapes for one request (as `mlx_lm.server` writes them), plus
     DFlash stats under `dflash`.
 
