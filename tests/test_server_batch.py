@@ -21,35 +21,11 @@ def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
     return answer["choices"][0]["text"]
 
 
-def burst(worker: Worker, port: int, requests: list[dict]) -> list[str]:
-    """`requests` sent together once the worker is held busy, so that all of them wait and
-    then start in one batch."""
-    busy = threading.Event()
-    worker.executor.submit(busy.wait)
-    try:
-        futures = [in_background(lambda r=r: completion(port, **r)) for r in requests]
-        wait_for(lambda: worker.pending == len(requests), "the requests to queue")
-    finally:
-        busy.set()
-    return [f.result(timeout=300) for f in futures]
-
-
-@pytest.mark.parametrize("max_batch", [4, 1])
-def test_concurrent_requests_share_cycles_and_get_their_own_replies(loaded, max_batch):
-    model, tokenizer, draft = loaded("llama-tied-gqa")
-    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=24), max_batch=max_batch)
-    requests = [{"prompt": p, "max_tokens": 12 + 3 * i} for i, p in enumerate(PROMPTS[:6])]
-    with serving(worker) as port:
-        texts = burst(worker, port, requests)
-        wait_for(lambda: worker.pending == 0, "the batch to drain")
-    expected = [greedy_text(loaded, r["prompt"], r["max_tokens"], chat=False)[0] for r in requests]
-    assert texts == expected
-    shared = worker.batch.chain.policy.by_rows
-    if max_batch == 1:
-        assert not shared  # one at a time: no cycle was shared
-    else:
-        assert max(shared) == max_batch and shared[max_batch].cycles > 0
-    assert not worker.batch.replies and worker.batch.held is None
+def answer(port: int, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode()
+    status, reply = post(port, "/v1/completions", body)
+    assert status == 200, reply
+    return reply
 
 
 def test_a_seeded_sampled_reply_is_the_same_alone_and_beside_others(loaded):
@@ -104,3 +80,45 @@ def test_a_request_failing_in_the_worker_fails_alone(loaded):
         assert status == 500 and "cannot start" in answer["error"]["message"]
         wait_for(lambda: worker.pending == 0, "the worker to go on")
         assert completion(port, PROMPTS[3], 6) == greedy_text(loaded, PROMPTS[3], 6, chat=False)[0]
+
+
+def burst(worker: Worker, port: int, requests: list[dict], send=completion) -> list:
+    """`requests` sent together (by `send`) once the worker is held busy, so that all of them
+    wait and then start in one batch."""
+    busy = threading.Event()
+    worker.executor.submit(busy.wait)
+    try:
+        futures = [in_background(lambda r=r: send(port, **r)) for r in requests]
+        wait_for(lambda: worker.pending == len(requests), "the requests to queue")
+    finally:
+        busy.set()
+    return [f.result(timeout=300) for f in futures]
+
+
+@pytest.mark.parametrize("max_batch", [4, 1])
+def test_concurrent_requests_share_cycles_and_get_their_own_replies(loaded, launched, max_batch):
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=24), max_batch=max_batch)
+    requests = [{"prompt": p, "max_tokens": 12 + 3 * i} for i, p in enumerate(PROMPTS[:6])]
+    with serving(worker) as port:
+        texts = burst(worker, port, requests)
+        wait_for(lambda: worker.pending == 0, "the batch to drain")
+    expected = [greedy_text(loaded, r["prompt"], r["max_tokens"], chat=False)[0] for r in requests]
+    assert texts == expected
+    widths = {rows for rows, _, _ in launched}
+    assert max(widths) == max_batch  # one at a time, or the four in one cycle
+    assert not worker.batch.replies and worker.batch.held is None
+
+
+def test_four_clients_share_tree_cycles_with_the_lookup(loaded):
+    """`--max-batch 4 --tree-budget 8`: four concurrent greedy requests verify their trees
+    (the prompt lookup's grafts within them) in shared cycles, each reply its solo reply."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    settings = GenerationSettings(max_tokens=24, tree_budget=8)
+    worker = Worker(model, tokenizer, draft, settings, max_batch=4)
+    requests = [{"prompt": p, "max_tokens": 24} for p in PROMPTS[:4]]
+    with serving(worker) as port:
+        answers = burst(worker, port, requests, send=answer)
+    expected = [greedy_text(loaded, r["prompt"], r["max_tokens"], chat=False)[0] for r in requests]
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    assert all(a["dflash"]["shared_tree_cycles"] > 0 for a in answers)
