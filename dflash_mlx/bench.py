@@ -48,7 +48,7 @@ from .loading import DTYPES, KEEP_CHECKPOINT
 from .prompt_cache import PromptCache, make_prompt_cache
 from .response import GenerationResponse
 from .sampling import RULES
-from .session import (
+from .options import (
     add_draft_window_argument,
     add_rank_timeout_argument,
     add_trust_remote_code_argument,

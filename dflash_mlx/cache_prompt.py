@@ -29,7 +29,7 @@ from .checkpoint import load_draft
 from .draft import DFlashDraft
 from .generate import stream_generate
 from .prompt_cache import PromptCache, make_prompt_cache
-from .session import (
+from .options import (
     add_draft_argument,
     add_dtype_argument,
     add_kv_cache_arguments,

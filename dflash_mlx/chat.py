@@ -24,7 +24,7 @@ from .distributed import Lockstep, world_group
 from .generate import stream_generate
 from .prompt_cache import make_prompt_cache
 from .response import GenerationResponse
-from .session import (
+from .options import (
     PrefillProgress,
     ReplyStats,
     add_model_arguments,

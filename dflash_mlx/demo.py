@@ -33,7 +33,7 @@ from .generate import stream_generate
 from .gguf import smollm2_model_dir
 from .paths import SHIPPED_DRAFTER
 from .response import GenerationResponse
-from .session import add_trust_remote_code_argument
+from .options import add_trust_remote_code_argument
 from .target import TargetAdapter, load
 
 DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."

@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .chat_format import chat_prompt, continued_prompt, has_chat_template
 from .distributed import Lockstep, broadcast_text, is_rank0, world_group
 from .generate import stream_generate
-from .session import (
+from .options import (
     PrefillProgress,
     ReplyStats,
     add_cache_file_argument,

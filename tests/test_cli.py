@@ -15,7 +15,7 @@ import pytest
 from helpers import copy_dir, mlx_lm_greedy
 from test_generate import oracle_for
 
-from dflash_mlx import GenerationSettings, cli, session
+from dflash_mlx import GenerationSettings, cli, options
 from dflash_mlx.chat import Chat
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 
@@ -124,14 +124,14 @@ def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
     argv = ["generate", "--model", str(target), "--draft", str(draft), "-p", prompt, "-m", "2"]
     argv += ["--ignore-chat-template", "--prefill-step-size", "16"]
-    monkeypatch.setattr(session, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(options, "PROGRESS_DELAY_S", 0.0)
     cli.main(argv)
     err = capsys.readouterr().err
     assert re.search(r"prefill: +0%.*\| 0/\d+ ", err), err
     assert err.startswith(f"loading {target} and the drafter {draft}...\n")
     cli.main([*argv, "--verbose", "False"])
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(session, "PROGRESS_DELAY_S", 3600.0)
+    monkeypatch.setattr(options, "PROGRESS_DELAY_S", 3600.0)
     cli.main(argv)
     assert "prefill" not in capsys.readouterr().err
 
@@ -145,7 +145,7 @@ def test_no_draft_sampling_follows_the_seed(make_pair):
 
 
 def test_no_draft_loads_no_drafter(make_pair):
-    from dflash_mlx.session import add_model_arguments, load_models
+    from dflash_mlx.options import add_model_arguments, load_models
 
     target, _ = make_pair("llama-tied-gqa")
     parser = argparse.ArgumentParser()

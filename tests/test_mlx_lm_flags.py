@@ -22,7 +22,7 @@ from test_server import running_server
 
 from dflash_mlx import cli
 from dflash_mlx.chat_format import chat_prompt
-from dflash_mlx.session import generation_settings, load_models
+from dflash_mlx.options import generation_settings, load_models
 
 TIMEOUT = 120
 # mlx-lm's command -> ours

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..connections import GuardedH11, Repeats
 from ..distributed import Lockstep, world_group
-from ..session import generation_settings, load_cache_file, load_models, processor_settings
+from ..options import generation_settings, load_cache_file, load_models, processor_settings
 from .guards import LOCAL_HOSTS, NOISY, HostCheck, KeyCheck, Policy, host_name, served_hosts
 from .routes import Api
 from .shapes import error

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..session import DEFAULT_MAX_BODY_BYTES
+from ..options import DEFAULT_MAX_BODY_BYTES
 from .schemas import Strict
 from .shapes import error
 

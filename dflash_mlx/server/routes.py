@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from ..chat_format import chat_prompt
-from ..session import PROCESSOR_SETTINGS
+from ..options import PROCESSOR_SETTINGS
 from .guards import Policy, parse
 from .schemas import PROMPT_CHARS_PER_TOKEN, ChatRequest, CompletionParams, TextRequest, text_size
 from .shapes import OpenAIResponse, error

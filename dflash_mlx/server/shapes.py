@@ -20,7 +20,7 @@ from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..response import GenerationResponse
-from ..session import ReplyStats
+from ..options import ReplyStats
 
 # What a logprob that is not a number, or -inf, reads as in JSON (as OpenAI writes it).
 NO_LOGPROB = -9999.0

@@ -36,7 +36,7 @@ from ..generate import stream_generate
 from ..loop import make_batch
 from ..prompt_cache import PromptCache, PromptCacheStore, make_prompt_cache
 from ..response import GenerationResponse
-from ..session import (
+from ..options import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PROMPT_CACHE_BYTES,

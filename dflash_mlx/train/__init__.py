@@ -55,7 +55,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..session import add_trust_remote_code_argument
+    from ..options import add_trust_remote_code_argument
 
     sub = parser.add_subparsers(dest="stage", required=True, help="the stage to run")
     common = argparse.ArgumentParser(add_help=False)
