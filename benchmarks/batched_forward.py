@@ -29,7 +29,7 @@ import numpy as np
 from cycle_cost import DTYPES, SHAPES, random_target
 
 from dflash_mlx import load
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models.target import TargetAdapter
 
 
 def timed(run, *args) -> float:

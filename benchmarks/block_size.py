@@ -40,11 +40,11 @@ import mlx_lm
 from long_context import long_prompt
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle
-from dflash_mlx.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.bench import PROMPTS_FILE, load_prompts, measure, render, throughput
+from dflash_mlx.cli.demo import DEFAULT_PROMPT, SHIPPED_DRAFTER
+from dflash_mlx.decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 
 class CountingStrategy(AdaptiveStrategy):

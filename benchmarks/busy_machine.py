@@ -49,7 +49,7 @@ def bench_once(env: dict[str, str], args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "bench.json"
         command = [
-            sys.executable, "-m", "dflash_mlx.bench", "--draft", str(args.draft),
+            sys.executable, "-m", "dflash_mlx.cli.bench", "--draft", str(args.draft),
             "--limit", str(args.limit), "--max-tokens", str(args.max_tokens),
             "--no-split", "--out", str(out),
         ]  # fmt: skip

@@ -30,7 +30,7 @@ def bench_once(dtype: str, args: argparse.Namespace) -> tuple[dict, float]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "bench.json"
         command = [
-            sys.executable, "-m", "dflash_mlx.bench", "--draft", str(args.draft),
+            sys.executable, "-m", "dflash_mlx.cli.bench", "--draft", str(args.draft),
             "--dtype", dtype, "--limit", str(args.limit), "--max-tokens", str(args.max_tokens),
             "--no-split", "--out", str(out),
         ]  # fmt: skip

@@ -45,8 +45,8 @@ import mlx.nn as nn
 from cycle_cost import DTYPES, SHAPES, CycleCost, load_target, make_draft
 
 from dflash_mlx import TargetAdapter
-from dflash_mlx.kernels import cuda as cuda_kernels
-from dflash_mlx.kernels import cuda_quantized
+from dflash_mlx.native.kernels import cuda as cuda_kernels
+from dflash_mlx.native.kernels import cuda_quantized
 
 ROWS = (1, 2, 4, 8, 16)
 

@@ -67,9 +67,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 # isort: on
 
 from dflash_mlx import GenerationResponse, TargetAdapter, load, load_draft, stream_generate
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.target import TreeShape
-from dflash_mlx.tree import ancestor_mask, build_tree, top_candidates
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.target import TreeShape
+from dflash_mlx.models.tree import ancestor_mask, build_tree, top_candidates
 
 # Published configs (config.json on the hub) of the targets, with the drafter depth of
 # z-lab's DFlash drafter for them (2 for SmolLM2: the project's shipped drafter).
@@ -278,7 +278,7 @@ def load_target(args: argparse.Namespace) -> tuple[nn.Module, TokenizerWrapper]:
     if args.model:
         path = args.model
         if path == "smollm2":
-            from dflash_mlx.gguf import smollm2_model_dir
+            from dflash_mlx.models.gguf import smollm2_model_dir
 
             path = smollm2_model_dir()
         model, tokenizer = load(path, dtype=dtype)

@@ -32,11 +32,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.bench import load_prompts
 from dflash_mlx.chat_format import render
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.bench import load_prompts
+from dflash_mlx.models.gguf import smollm2_model_dir
+from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.paths import cache_dir
-from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.data import read_records
 from dflash_mlx.train.export import top_tokens
 

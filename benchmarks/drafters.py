@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx_lm
 
 from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
-from dflash_mlx.bench import PROMPTS_FILE, acceptance, load_prompts, measure, throughput
 from dflash_mlx.chat_format import render
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.bench import PROMPTS_FILE, acceptance, load_prompts, measure, throughput
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 
 def summary(runs: list, ar_runs: list) -> dict:

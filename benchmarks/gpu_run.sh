@@ -141,15 +141,15 @@ if [ "$DRY" = 0 ]; then
 elif wanted cuda-linear || wanted cuda-linear-4bit; then
   echo "cuda-linear: skipped (needs MLX's CUDA backend)" | tee -a "$SUMMARY"
 fi
-SMOLLM2=$(python3 -c "from dflash_mlx.gguf import SMOLLM2_NAME; from dflash_mlx.paths import \
+SMOLLM2=$(python3 -c "from dflash_mlx.models.gguf import SMOLLM2_NAME; from dflash_mlx.paths import \
 cache_dir; print(cache_dir() / 'models' / SMOLLM2_NAME)")
 if wanted bench && [ ! -d "$SMOLLM2" ] && ls "$KEPT"/smollm2.gguf.part-* > /dev/null 2>&1; then
   cat "$KEPT"/smollm2.gguf.part-* > "$KEPT/smollm2.gguf"
-  step smollm2 60 python3 -c "from dflash_mlx.gguf import convert_gguf; \
+  step smollm2 60 python3 -c "from dflash_mlx.models.gguf import convert_gguf; \
 convert_gguf('$KEPT/smollm2.gguf', '$SMOLLM2')"
 fi
 if [ -d "$SMOLLM2" ]; then
-  step bench 150 python3 -m dflash_mlx.bench --model "$SMOLLM2" \
+  step bench 150 python3 -m dflash_mlx.cli.bench --model "$SMOLLM2" \
     --draft dflash_mlx/drafters/smollm2-135m-instruct "${BENCH[@]}" \
     --out "$OUT/bench.json" --plot "$OUT/bench.png"
 elif wanted bench; then

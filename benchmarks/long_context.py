@@ -22,9 +22,9 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.bench import bench
 from dflash_mlx.chat_format import render
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.bench import bench
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 SOURCES = ("textwrap", "calendar", "difflib", "fractions", "statistics", "shlex", "heapq")
 QUESTION = "\n\nExplain what the code above does, one paragraph per main function."

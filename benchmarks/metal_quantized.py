@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from cycle_cost import DTYPES, SHAPES
 
-from dflash_mlx.kernels import metal_quantized
+from dflash_mlx.native.kernels import metal_quantized
 
 ROWS = (1, 2, 4, 8, 16)
 

@@ -37,8 +37,8 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.bench import load_prompts
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.bench import load_prompts
+from dflash_mlx.models.gguf import smollm2_model_dir
 from dflash_mlx.train.data import generate_replies
 from dflash_mlx.train.features import sequence_features
 from dflash_mlx.train.trainer import Sequence, TrainConfig, Trainer, decode_walk

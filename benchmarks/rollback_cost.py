@@ -24,8 +24,8 @@ from mlx_lm.models import qwen3_5
 
 # isort: on
 
-from dflash_mlx.rollback import RecurrentCache
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models.rollback import RecurrentCache
+from dflash_mlx.models.target import TargetAdapter
 
 LINEAR = dict(linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6)
 CONFIGS = {

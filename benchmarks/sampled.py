@@ -33,10 +33,11 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from dflash_mlx import load, load_draft, sampling, stream_generate
+from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.chat_format import render
-from dflash_mlx.demo import SHIPPED_DRAFTER
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.cli.demo import SHIPPED_DRAFTER
+from dflash_mlx.decode import sampling
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",

@@ -41,9 +41,9 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from dflash_mlx.bench import load_prompts
-from dflash_mlx.demo import DEMO_TREE_BUDGET, SHIPPED_DRAFTER
-from dflash_mlx.gguf import SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
+from dflash_mlx.cli.bench import load_prompts
+from dflash_mlx.cli.demo import DEMO_TREE_BUDGET, SHIPPED_DRAFTER
+from dflash_mlx.models.gguf import SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from dflash_mlx.paths import cache_dir
 
 SERVERS = ("dflash", "mlx-lm")

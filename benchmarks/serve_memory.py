@@ -24,8 +24,8 @@ from pathlib import Path
 from openai import OpenAI, OpenAIError
 from serve_clients import float32_smollm2_dir, free_port, running, wait_ready
 
-from dflash_mlx.bench import load_prompts
-from dflash_mlx.demo import SHIPPED_DRAFTER
+from dflash_mlx.cli.bench import load_prompts
+from dflash_mlx.cli.demo import SHIPPED_DRAFTER
 
 ODD = [
     {"temperature": 1.0, "extra_body": {"top_k": 2**31 - 1}},

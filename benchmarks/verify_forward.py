@@ -36,9 +36,10 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx import TargetAdapter, active_blas, few_rows_quantized, load
-from dflash_mlx.gguf import smollm2_model_dir
-from dflash_mlx.loading import DTYPES, KEEP_CHECKPOINT
+from dflash_mlx import TargetAdapter, active_blas, load
+from dflash_mlx.models.gguf import smollm2_model_dir
+from dflash_mlx.models.loading import DTYPES, KEEP_CHECKPOINT
+from dflash_mlx.native import few_rows_quantized
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache
 
 from cycle_cost import DTYPES, SHAPES, random_target
 
-from dflash_mlx.kernels import cuda as cuda_kernels
+from dflash_mlx.native.kernels import cuda as cuda_kernels
 
 
 def timed(fn: Callable[[], list[mx.array]], reps: int) -> float:

@@ -1,5 +1,5 @@
 """Streaming DFlash speculative decoding: `stream_generate` turns the loop's commits
-(`loop.py`) into text, timings and `GenerationResponse`s, as mlx-lm's
+(`decode/scheduler.py`) into text, timings and `GenerationResponse`s, as mlx-lm's
 `stream_generate` does over its `generate_step`.
 
 Each cycle the drafter proposes a block ([last committed token] + mask tokens →
@@ -20,17 +20,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .chat_format import encode_prompt
-from .cycle import Reply, ReplyState
-from .draft import DFlashDraft
-from .loop import Batch, replies
-from .plan import make_policy, plain_reason, settings_unset, strategy_note
-from .prompt_cache import PromptCache, make_prompt_cache
-from .proposers import DrafterProposer, LookupProposer, Proposer
+from .decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
+from .decode.cycle import Reply, ReplyState
+from .decode.plan import make_policy, plain_reason, settings_unset, strategy_note
+from .decode.prompt_cache import PromptCache, make_prompt_cache
+from .decode.proposers import DrafterProposer, LookupProposer, Proposer
+from .decode.scheduler import Batch, replies
+from .models.draft import DFlashDraft
+from .models.target import TargetAdapter
 from .response import Drafting, GenerationResponse
 from .settings import GenerationSettings
-from .target import TargetAdapter
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
 
@@ -83,7 +83,7 @@ def stream_generate(
     target that cannot verify trees, or ranks under `mlx.launch`, get the adaptive
     chain. `adaptive=True` is that chain: each cycle's block size, up to
     `block_size`, chosen the same way (block 1 when drafting does not pay; see
-    `adaptive.py`). The output is the same either way; under the speculative and match
+    `decode/adaptive.py`). The output is the same either way; under the speculative and match
     rules, though, which random draws a sampled cycle consumes depends on its shape, so
     such runs cost chains and trees from fixed per-backend tables instead of the clock:
     a seeded sampled run stays reproducible. So does every run under `mlx.launch`, where
@@ -97,7 +97,7 @@ def stream_generate(
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
     `tree_budget` verifies a tree of up to that many draft tokens per cycle
-    instead of one chain (`tree.py`): the budget's most likely continuations
+    instead of one chain (`models/tree.py`): the budget's most likely continuations
     under the drafter's per-position distributions (a DFlash 2 drafter's: its
     selector's, each token given the one before), up to `block_size` - 1 deep,
     all in one target forward (not for targets with recurrent layers). When
@@ -108,10 +108,10 @@ def stream_generate(
     nodes that maximise the expected tokens per second, from the drafter's confidence
     in that cycle's nodes and the cycle times measured so far (`AdaptiveTree`). `prompt_lookup`
     grafts onto each tree what followed the last token where it occurred before
-    in the prompt or the reply (`lookup.py`), within the budget; without a drafter
+    in the prompt or the reply (`decode/lookup.py`), within the budget; without a drafter
     (`draft=None`), `tree_budget` verifies that chain alone, up to that deep
     (prompt lookup decoding).
-    `batch` (a `loop.Batch` of this target and drafter) decodes the reply together with the
+    `batch` (a `scheduler.Batch` of this target and drafter) decodes the reply together with the
     other replies in it, each response arriving as the batch's cycles advance it (a
     server's concurrent requests); by default the reply is a batch of its own.
     """

@@ -1,7 +1,7 @@
 """What `generate`, `chat` and `serve` share: model flags, loading, reply stats.
 
-Kept apart from `cli.py` so the subcommand modules can import it without an
-import cycle through the dispatcher.
+Kept apart from `cli/__init__.py` so the subcommand modules can import it without an
+it without an import cycle through the dispatcher.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tqdm import tqdm
 
-from .cache_file import load_prompt_cache
-from .checkpoint import load_draft
-from .distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
-from .draft import KERNEL_BACKENDS, DFlashDraft
-from .loading import DTYPES, KEEP_CHECKPOINT
-from .prompt_cache import CACHE_SETTINGS, PromptCache
+from .decode.cache_file import load_prompt_cache
+from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
+from .decode.sampling import RULES
+from .models.checkpoint import load_draft
+from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
+from .models.draft import KERNEL_BACKENDS, DFlashDraft
+from .models.loading import DTYPES, KEEP_CHECKPOINT
+from .models.target import load
 from .response import GenerationResponse
-from .sampling import RULES
 from .settings import PREFILL_STEP, GenerationSettings
-from .target import load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 DEFAULT_MAX_BATCH = 8  # requests `serve` decodes together

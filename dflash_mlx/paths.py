@@ -1,6 +1,6 @@
 """Where dflash-mlx keeps what it makes once: converted models, training data, built kernels.
 
-A leaf module (no mlx import): `blas.py` needs it before mlx is first imported.
+A leaf module (no mlx import): `native/blas.py` needs it before mlx is first imported.
 """
 
 from __future__ import annotations

@@ -13,16 +13,16 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-from .adaptive import (
+from .decode.adaptive import (
     FIXED_CYCLE_COSTS,
     FIXED_TREE_COSTS,
     AdaptiveBlock,
     AdaptiveStrategy,
     AdaptiveTree,
 )
-from .distributed import world_group
-from .prompt_cache import CACHE_SETTINGS
-from .sampling import LogitsProcessor, Sampler, Verifier, make_verifier
+from .decode.prompt_cache import CACHE_SETTINGS
+from .decode.sampling import LogitsProcessor, Sampler, Verifier, make_verifier
+from .models.distributed import world_group
 
 PREFILL_STEP = 2048  # prompt tokens per prefill forward by default, as mlx-lm's
 
@@ -35,7 +35,7 @@ class GenerationSettings:
     chooses a chain or a tree by measured cost (`AdaptiveStrategy`); `prompt_lookup`
     grafts the prompt lookup's chain onto every tree.
     Sampling follows mlx-lm's `make_sampler`; `acceptance` is the rule for sampled
-    drafts (`sampling.py`; "coupled" leaves the reply independent of the cycles' shapes, so
+    drafts (`decode/sampling.py`; "coupled" leaves the reply independent of the cycles' shapes, so
     the clock may choose them); `logits_processors` are mlx-lm's. With a `seed` (0 to
     2**32 - 1) every random draw comes from these settings' own stream from that seed
     instead of MLX's global state, so a seeded reply is the same whatever samples beside

@@ -11,7 +11,7 @@ greedy output, but few drafts are accepted until a trained drafter is given).
 import argparse
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.models.checkpoint import init_draft
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.model is None:
-        from dflash_mlx.gguf import smollm2_model_dir
+        from dflash_mlx.models.gguf import smollm2_model_dir
 
         args.model = smollm2_model_dir()
     model, tokenizer = load(args.model)

@@ -117,8 +117,8 @@ def train_data(train_target_dir, tmp_path_factory):
 def launched(monkeypatch):
     """Each cycle launched meanwhile, as (its rows, which rows were trees, which of those
     held the prompt lookup's grafts)."""
-    from dflash_mlx import cycle
-    from dflash_mlx.proposers import LookupProposer
+    from dflash_mlx.decode import cycle
+    from dflash_mlx.decode.proposers import LookupProposer
 
     seen = []
     launch = cycle.launch

@@ -21,9 +21,9 @@ from mlx_lm.utils import load_tokenizer  # noqa: E402
 from test_families import GATED_DELTA, PROMPT, build  # noqa: E402
 
 from dflash_mlx import load, load_draft, stream_generate  # noqa: E402
-from dflash_mlx.checkpoint import init_draft  # noqa: E402
-from dflash_mlx.distributed import shared_seed, world_group  # noqa: E402
-from dflash_mlx.target import TargetAdapter, pipeline, shard  # noqa: E402
+from dflash_mlx.models.checkpoint import init_draft  # noqa: E402
+from dflash_mlx.models.distributed import shared_seed, world_group  # noqa: E402
+from dflash_mlx.models.target import TargetAdapter, pipeline, shard  # noqa: E402
 
 MAX_TOKENS = 24
 QWEN3_5_UNTIED = dict(text_config=dict(GATED_DELTA, tie_word_embeddings=False))

@@ -379,9 +379,9 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
     lengths, different lengths and budgets wanted) give each row what it gets alone
     (R = 1): caches allclose 1e-6, drafts and trees equal, log q allclose 1e-5; and
     `proposers.trees` of prompt lookups over it grafts each row as alone."""
-    from dflash_mlx import proposers
-    from dflash_mlx.sampling import make_logprobs_transform
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.decode import proposers
+    from dflash_mlx.decode.sampling import make_logprobs_transform
+    from dflash_mlx.models.target import TargetAdapter
 
     target = TargetAdapter(model)
     head = target.draft_head(draft.config.draft_vocab)

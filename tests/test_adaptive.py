@@ -12,7 +12,7 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.adaptive import (
+from dflash_mlx.decode.adaptive import (
     FIXED_CYCLE_COSTS,
     FIXED_TREE_COSTS,
     AdaptiveBlock,
@@ -22,7 +22,7 @@ from dflash_mlx.adaptive import (
     Plan,
     interpolated_cost,
 )
-from dflash_mlx.plan import ByWidth
+from dflash_mlx.decode.plan import ByWidth
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):

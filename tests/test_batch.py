@@ -1,4 +1,4 @@
-"""Several replies decoded together (`make_batch`: `loop.Batch`, whose shared cycles are
+"""Several replies decoded together (`make_batch`: `scheduler.Batch`, whose shared cycles are
 `cycle.py`'s for several rows): every reply equals its own greedy reply, whatever else
 shares its cycles, joins or leaves."""
 
@@ -11,11 +11,11 @@ from test_families import NoisyOracleDraft as NoisyContinuation
 from test_sampling import SIGNIFICANCE, NoisyOracleDraft, chi2_pvalue, exact_second_token
 
 from dflash_mlx import make_batch, make_prompt_cache, stream_generate
-from dflash_mlx.adaptive import Plan
-from dflash_mlx.plan import FixedPlan
-from dflash_mlx.proposers import DrafterProposer, Proposer, observe
-from dflash_mlx.sampling import make_logprobs_transform
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.decode.adaptive import Plan
+from dflash_mlx.decode.plan import FixedPlan
+from dflash_mlx.decode.proposers import DrafterProposer, Proposer, observe
+from dflash_mlx.decode.sampling import make_logprobs_transform
+from dflash_mlx.models.target import TargetAdapter
 
 MAX_TOKENS = 40
 

@@ -10,8 +10,8 @@ import pytest
 from helpers import reference_greedy
 from test_generate import OracleDraft
 
-from dflash_mlx import bench
 from dflash_mlx.chat_format import render
+from dflash_mlx.cli import bench
 
 PROMPTS = [
     {"id": "code", "category": "coding", "prompt": "def add(a, b):"},
@@ -21,7 +21,7 @@ PROMPTS = [
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dflash_mlx.bench", *args]
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.bench", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

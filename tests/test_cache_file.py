@@ -24,16 +24,17 @@ from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
 from tqdm import tqdm
 
-from dflash_mlx import cache_prompt, cli, make_prompt_cache
-from dflash_mlx.cache_file import (
+from dflash_mlx import cli, make_prompt_cache
+from dflash_mlx.chat_format import QUERY
+from dflash_mlx.cli import cache_prompt
+from dflash_mlx.cli.cache_prompt import prefill
+from dflash_mlx.decode.cache_file import (
     DEFAULT_OPTIONS,
     PromptCacheError,
     load_prompt_cache,
     save_prompt_cache,
 )
-from dflash_mlx.cache_prompt import prefill
-from dflash_mlx.chat_format import QUERY
-from dflash_mlx.checkpoint import init_draft
+from dflash_mlx.models.checkpoint import init_draft
 
 family, tokenizer = test_families.family, test_families.tokenizer  # its fixtures, shared
 models = test_kv_cache_options.models  # loaded models of head_dim 32

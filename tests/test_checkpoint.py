@@ -15,13 +15,13 @@ from helpers import copy_dir, cpu_default, read_config, save_draft, save_target
 from mlx.utils import tree_flatten
 
 from dflash_mlx import cli, load_draft, stream_generate
-from dflash_mlx.convert import convert_draft
-from dflash_mlx.draft import DFlashConfig, default_target_layer_ids
+from dflash_mlx.cli.convert import convert_draft
+from dflash_mlx.models.draft import DFlashConfig, default_target_layer_ids
 
 
 def drafts_for(draft, model, contexts, blocks):
     """Greedy drafts of `draft` for each (context features, block) pair, from a fresh cache."""
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.models.target import TargetAdapter
 
     target = TargetAdapter(model)
     out = []
@@ -433,7 +433,7 @@ def test_context_window_attends_to_the_last_positions_only(published):
     """RoPE scores depend on relative positions only, so a windowed drafter over S positions
     must draft like an unwindowed one given just the last W of them."""
     _, draft_dir, model, draft, _, _ = published
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.models.target import TargetAdapter
 
     target = TargetAdapter(model)
     windowed = load_draft(draft_dir, context_window=8)

@@ -16,8 +16,8 @@ from helpers import copy_dir, mlx_lm_greedy
 from test_generate import oracle_for
 
 from dflash_mlx import GenerationSettings, cli, options
-from dflash_mlx.chat import Chat
 from dflash_mlx.chat_format import chat_prompt, plain_chat
+from dflash_mlx.cli.chat import Chat
 
 TIMEOUT = 90
 STATS = r"\[(interrupted; )?(\d+) tokens, [^\]]*prompt (\d+) tokens \((\d+) new\)\]"

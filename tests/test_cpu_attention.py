@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from dflash_mlx import backends, cpu_attention, cpu_math
-from dflash_mlx.cpu_attention import causal_visible, reference
+from dflash_mlx.models import backends
+from dflash_mlx.native import cpu_attention, cpu_math
+from dflash_mlx.native.cpu_attention import causal_visible, reference
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU only")
 

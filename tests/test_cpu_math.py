@@ -10,8 +10,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE
 
-from dflash_mlx import backends, cpu_math
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models import backends
+from dflash_mlx.models.target import TargetAdapter
+from dflash_mlx.native import cpu_math
 
 FLOAT32_ULP = 2.0**-23
 

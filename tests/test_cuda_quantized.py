@@ -21,10 +21,10 @@ from helpers import reference_greedy
 from test_cuda_verify import as_cuda, assert_products_taken, run  # noqa: F401  (as_cuda: its fixture)
 from test_families import FAMILIES, PROMPT, build, first_difference
 
-from dflash_mlx import target as target_module
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.kernels import cuda as cuda_kernels
-from dflash_mlx.kernels import cuda_quantized
+from dflash_mlx.models import target as target_module
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.native.kernels import cuda as cuda_kernels
+from dflash_mlx.native.kernels import cuda_quantized
 
 MAX_TOKENS = 60
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}

@@ -16,11 +16,12 @@ from helpers import reference_greedy
 from test_families import FAMILIES, PROMPT, build, first_difference
 from test_generate import OracleDraft
 
-from dflash_mlx import backends, stream_generate
-from dflash_mlx import target as target_module
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.kernels import cuda as cuda_kernels
-from dflash_mlx.tree import ancestor_mask
+from dflash_mlx import stream_generate
+from dflash_mlx.models import backends
+from dflash_mlx.models import target as target_module
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.tree import ancestor_mask
+from dflash_mlx.native.kernels import cuda as cuda_kernels
 
 MAX_TOKENS = 60
 family, tokenizer = test_families.family, test_families.tokenizer  # their fixtures, shared

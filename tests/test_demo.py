@@ -8,12 +8,13 @@ import json
 import pytest
 from test_families import build
 
-from dflash_mlx import demo, load, load_draft, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlock
-from dflash_mlx.bench import render
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.draft import DFlashConfig
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.cli import demo
+from dflash_mlx.cli.bench import render
+from dflash_mlx.decode.adaptive import AdaptiveBlock
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.draft import DFlashConfig
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 
 def demo_args(**overrides) -> argparse.Namespace:

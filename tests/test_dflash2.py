@@ -19,10 +19,10 @@ from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.convert import convert_draft
-from dflash_mlx.draft import DFlashConfig, DFlashDraft, GroupedDynamicConv
-from dflash_mlx.sampling import Verdict, make_verifier
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.cli.convert import convert_draft
+from dflash_mlx.decode.sampling import Verdict, make_verifier
+from dflash_mlx.models.draft import DFlashConfig, DFlashDraft, GroupedDynamicConv
+from dflash_mlx.models.target import TargetAdapter
 
 BLOCK = 8
 

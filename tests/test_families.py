@@ -30,9 +30,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_generate import OracleDraft
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.hooks import feature
-from dflash_mlx.rollback import (
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.hooks import feature
+from dflash_mlx.models.rollback import (
     CacheGroup,
     ChunkCache,
     CompressedWindowCache,
@@ -40,7 +40,7 @@ from dflash_mlx.rollback import (
     WindowKVCache,
     trim_caches,
 )
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
+from dflash_mlx.models.target import SUPPORTED_MODEL_TYPES, TargetAdapter
 
 VOCAB = 320  # the tiny tokenizer's 300 tokens + padded rows
 MAX_TOKENS = 300

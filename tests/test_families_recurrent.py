@@ -16,8 +16,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from test_families import BASE, DEEPSEEK_V3, PROMPT
 
 from dflash_mlx import stream_generate
-from dflash_mlx.rollback import RecurrentCache
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter
+from dflash_mlx.models.rollback import RecurrentCache
+from dflash_mlx.models.target import SUPPORTED_MODEL_TYPES, TargetAdapter
 
 LFM2 = dict(  # layers 0, 2, 3 short convolutions, 1 and 4 attention (LFM2: 10 of 16 convolutions)
     BASE,

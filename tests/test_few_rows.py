@@ -13,7 +13,7 @@ import mlx.core as mx  # conftest imported dflash_mlx first: the BLAS is bound
 import numpy as np
 import pytest
 
-from dflash_mlx import blas
+from dflash_mlx.native import blas
 
 OPENBLAS = any(os.path.exists(p) for p in blas.CANDIDATES)
 BUILDABLE = sys.platform.startswith("linux") and OPENBLAS and shutil.which("cc") is not None

@@ -10,8 +10,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx import backends, few_rows_quantized
-from dflash_mlx.few_rows_quantized import (
+from dflash_mlx.models import backends
+from dflash_mlx.native import few_rows_quantized
+from dflash_mlx.native.few_rows_quantized import (
     FewRowsQuantizedEmbedding,
     FewRowsQuantizedLinear,
     few_rows_class,

@@ -7,7 +7,7 @@ from helpers import BlockByBlock, copy_dir, reference_greedy, set_eos
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.models.draft import DFlashDraft
 
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:
@@ -247,7 +247,7 @@ def test_no_drafter_decodes_greedily_without_hooking_a_layer(loaded):
 
 
 def test_randomly_initialised_drafter_for_a_target_is_lossless(loaded):
-    from dflash_mlx.checkpoint import init_draft
+    from dflash_mlx.models.checkpoint import init_draft
 
     model, tokenizer, _ = loaded("qwen3-untied-mha")
     draft = init_draft(model, num_layers=3, block_size=8)

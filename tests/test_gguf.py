@@ -25,7 +25,7 @@ from mlx_lm.utils import dequantize_model
 from test_checkpoint import DISK_FULL, failing_save
 from tokenizers import pre_tokenizers
 
-from dflash_mlx import gguf as dgguf
+from dflash_mlx.models import gguf as dgguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "1 2"]

@@ -80,10 +80,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
-    assert "dflash_mlx.generate" in graph["dflash_mlx.oneshot"]
-    assert "dflash_mlx.kernels.metal" in graph["dflash_mlx.kernels"]
-    assert "dflash_mlx.gguf" in graph["dflash_mlx.convert"]  # imported inside run()
-    assert "dflash_mlx.loading" in graph["dflash_mlx.train"]  # `from ..loading import`
+    assert "dflash_mlx.generate" in graph["dflash_mlx.cli.generate"]
+    assert "dflash_mlx.native.kernels.metal" in graph["dflash_mlx.native.kernels"]
+    assert "dflash_mlx.models.gguf" in graph["dflash_mlx.cli.convert"]  # imported inside run()
+    assert "dflash_mlx.models.loading" in graph["dflash_mlx.train"]  # `from ..models.loading`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -96,4 +96,4 @@ def test_training_takes_its_prompt_rendering_from_chat_format_not_the_bench():
     graph = import_graph()
     training = [m for m in graph if m.startswith("dflash_mlx.train")]
     assert "dflash_mlx.chat_format" in graph["dflash_mlx.train.data"]
-    assert not [m for m in training if "dflash_mlx.bench" in graph[m]]
+    assert not [m for m in training if "dflash_mlx.cli.bench" in graph[m]]

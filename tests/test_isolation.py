@@ -13,9 +13,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_batch import no_eos, prompts
 
 from dflash_mlx import make_batch, stream_generate
-from dflash_mlx.adaptive import Plan
-from dflash_mlx.plan import FixedPlan
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.decode.adaptive import Plan
+from dflash_mlx.decode.plan import FixedPlan
+from dflash_mlx.models.target import TargetAdapter
 
 MAX_TOKENS = 24
 CULPRIT = 1  # the reply that fails, among four

@@ -5,9 +5,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import kernels
-from dflash_mlx.kernels import metal
-from dflash_mlx.kernels.reference import reference_attention
+from dflash_mlx.native import kernels
+from dflash_mlx.native.kernels import metal
+from dflash_mlx.native.kernels.reference import reference_attention
 
 
 def sdpa_on_concat(q, kc, vc, kb, vb, scale):
@@ -140,7 +140,7 @@ def test_kernel_sources_are_package_data():
     """The wheel ships every file load_sources reads (pyproject's package-data globs)."""
     tomllib = pytest.importorskip("tomllib")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["dflash_mlx.kernels"]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["dflash_mlx.native.kernels"]
     package_dir = Path(metal.__file__).parent
     shipped = {p.relative_to(package_dir) for g in globs for p in package_dir.glob(g)}
     needed = {(metal.SOURCE_DIR / n).relative_to(package_dir) for n in metal.SOURCE_FILES}

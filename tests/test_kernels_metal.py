@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from msl_emu import Tensor
 
-from dflash_mlx import kernels
-from dflash_mlx.kernels import metal
-from dflash_mlx.kernels.reference import reference_attention
+from dflash_mlx.native import kernels
+from dflash_mlx.native.kernels import metal
+from dflash_mlx.native.kernels.reference import reference_attention
 
 NO_COMPILER = "no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)"
 COMPILER_MISSING = msl_emu.find_compiler() is None

@@ -14,7 +14,7 @@ from test_generate import prompt_of
 
 import dflash_mlx
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.rollback import QuantizingKVCache, WindowKVCache
+from dflash_mlx.models.rollback import QuantizingKVCache, WindowKVCache
 
 MAX_TOKENS = 72
 STRATEGIES = {  # chains of one size, the default (chains or trees by cost), trees alone
@@ -184,7 +184,7 @@ def test_kv_bits_with_a_rotating_cache_is_refused_in_one_line(models):
 def test_a_chat_turn_takes_the_cache_options(models, options):
     """A chat keeps its conversation's caches across turns: it makes them with the settings'
     cache options, so a turn's reply is mlx-lm's with those options."""
-    from dflash_mlx.chat import Chat
+    from dflash_mlx.cli.chat import Chat
     from dflash_mlx.settings import GenerationSettings
 
     model, tokenizer, draft = models("qwen3")

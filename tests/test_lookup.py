@@ -13,9 +13,9 @@ from test_families import FAMILIES, build, first_difference
 from test_generate import OracleDraft
 from test_tree import prefixes, run
 
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.lookup import PRIORS, ContextLookup
-from dflash_mlx.tree import Tree, build_tree, graft
+from dflash_mlx.decode.lookup import PRIORS, ContextLookup
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.tree import Tree, build_tree, graft
 
 tokenizer = test_families.tokenizer  # its fixture, shared
 

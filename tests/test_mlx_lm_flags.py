@@ -254,7 +254,7 @@ def test_serve_says_it_is_loading_before_it_is_ready(make_pair, tmp_path):
 
 
 def test_bench_without_a_drafter_says_it_is_random(make_pair, tmp_path):
-    from dflash_mlx.bench import RANDOM_DRAFTER_WARNING
+    from dflash_mlx.cli.bench import RANDOM_DRAFTER_WARNING
 
     target, _ = make_pair("llama-tied-gqa")
     flags = f"--model {target} --limit 1 --max-tokens 4 --no-baseline --no-split"
@@ -264,11 +264,14 @@ def test_bench_without_a_drafter_says_it_is_random(make_pair, tmp_path):
     assert "RANDOM" in RANDOM_DRAFTER_WARNING
 
 
-@pytest.mark.parametrize("module", ["generate", "chat", "bench"])
-def test_python_m_a_command_module_runs_that_command(module):
+@pytest.mark.parametrize(
+    ("module", "command"),
+    [("generate", "generate"), ("cli.chat", "chat"), ("cli.bench", "bench")],
+)
+def test_python_m_a_command_module_runs_that_command(module, command):
     """`python -m dflash_mlx.generate` is `dflash-mlx generate`, without runpy's warning that
     the package imported the module first."""
     cmd = [sys.executable, "-m", f"dflash_mlx.{module}", "--help"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0 and out.stderr == ""
-    assert out.stdout.startswith(f"usage: dflash-mlx {module} ")
+    assert out.stdout.startswith(f"usage: dflash-mlx {command} ")

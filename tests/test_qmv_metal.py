@@ -16,9 +16,10 @@ import pytest
 import test_families
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import backends, kernels
-from dflash_mlx.kernels import metal_quantized as mq
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models import backends
+from dflash_mlx.models.target import TargetAdapter
+from dflash_mlx.native import kernels
+from dflash_mlx.native.kernels import metal_quantized as mq
 
 NO_COMPILER = "no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)"
 # Skipped on a developer's machine without clang; under CI=true they run, and fail.

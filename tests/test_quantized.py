@@ -16,8 +16,8 @@ from test_families import PROMPT, build, first_difference, prompt_of, run
 
 import dflash_mlx
 from dflash_mlx import TargetAdapter, make_prompt_cache
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.few_rows_quantized import FewRowsQuantizedLinear
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.native.few_rows_quantized import FewRowsQuantizedLinear
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "gpt_oss", "gemma4_text"]
 RECURRENT = {"qwen3_5"}  # no trees: recurrent layers keep no per-node state

@@ -9,8 +9,7 @@ from mlx_lm.sample_utils import apply_top_p, make_presence_penalty, make_sampler
 from scipy.stats import chisquare, gumbel_r, kstest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import (
+from dflash_mlx.decode.sampling import (
     Verifier,
     logsumexp,
     make_coupled_choice,
@@ -20,7 +19,8 @@ from dflash_mlx.sampling import (
     nucleus,
     position_noise,
 )
-from dflash_mlx.tree import build_tree, top_candidates, walk
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.tree import build_tree, top_candidates, walk
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
 

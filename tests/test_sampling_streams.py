@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.sampling import Verifier, make_verifier
+from dflash_mlx.decode.sampling import Verifier, make_verifier
 from dflash_mlx.settings import GenerationSettings
 
 PROMPT = [0, 39, 259, 28]  # a prompt whose next-token distribution is broad
@@ -166,7 +166,7 @@ def test_a_coupled_reply_is_the_same_whatever_its_cycles(loaded):
         expected = with_processors if "logits_processors" in shape else default
         assert reply(model, draft, tokenizer, seed=11, **kwargs, **shape) == expected, shape
     shared = []
-    launch = dflash_mlx.cycle.launch
+    launch = dflash_mlx.decode.cycle.launch
 
     def counted(rows):
         shared.append(len(rows))
@@ -179,7 +179,7 @@ def test_a_coupled_reply_is_the_same_whatever_its_cycles(loaded):
     ]
     tokens: list[list[int]] = [[], []]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dflash_mlx.cycle, "launch", counted)
+        patch.setattr(dflash_mlx.decode.cycle, "launch", counted)
         for i, generation in [(i, g) for _ in range(30) for i, g in enumerate(pair)]:
             tokens[i] += next(generation).tokens if len(tokens[i]) < 24 else []
     assert shared and max(shared) == 2  # the two replies verified together

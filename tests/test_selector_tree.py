@@ -15,12 +15,12 @@ from test_dflash2 import tiny_config
 from test_tree import prefixes
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import make_verifier
-from dflash_mlx.tree import Tree, build_selector_tree, ranked_edges
+from dflash_mlx.decode.sampling import make_verifier
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.tree import Tree, build_selector_tree, ranked_edges
 
 dflash2_pair = test_dflash2.dflash2_pair  # its fixture, shared
-drafter = importlib.import_module("dflash_mlx.draft")
+drafter = importlib.import_module("dflash_mlx.models.draft")
 VOCAB, K, RANK, STEPS = 12, 4, 4, 4
 
 

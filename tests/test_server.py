@@ -22,7 +22,7 @@ from test_stops import stop_in
 
 from dflash_mlx import GenerationSettings, cli
 from dflash_mlx.chat_format import chat_prompt, plain_chat
-from dflash_mlx.server import Worker, create_app
+from dflash_mlx.serve import Worker, create_app
 
 MODEL = "llama-tied-gqa"  # the id the server lists: its directory's name
 PROMPTS = [
@@ -585,7 +585,7 @@ def test_a_model_without_a_chat_template_is_served_in_plain_role_format(
 CLOSED_WORKER = """
 import sys
 from dflash_mlx import GenerationSettings, load, load_draft
-from dflash_mlx.server import Job, Worker
+from dflash_mlx.serve import Job, Worker
 
 model, tokenizer = load(sys.argv[1])
 worker = Worker(model, tokenizer, load_draft(sys.argv[2]), GenerationSettings(max_tokens=8))

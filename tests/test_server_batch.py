@@ -11,7 +11,7 @@ from test_cli import greedy_text
 from test_server import JSON, PROMPTS, in_background, post, serving, wait_for
 
 from dflash_mlx import GenerationSettings
-from dflash_mlx.server import Worker
+from dflash_mlx.serve import Worker
 
 
 def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:

@@ -23,8 +23,8 @@ from test_server import (
 from test_server_limits import ask, rss_kib
 
 from dflash_mlx import GenerationSettings, make_prompt_cache, stream_generate
-from dflash_mlx.prompt_cache import PromptCacheStore, cache_bytes
-from dflash_mlx.server import Policy, Worker
+from dflash_mlx.decode.prompt_cache import PromptCacheStore, cache_bytes
+from dflash_mlx.serve import Policy, Worker
 
 KEY = "s3cret-key"
 

@@ -36,7 +36,7 @@ from test_server import (
 
 from dflash_mlx import GenerationSettings
 from dflash_mlx.response import GenerationResponse
-from dflash_mlx.server import (
+from dflash_mlx.serve import (
     CLIENT_GONE,
     NO_LOGPROB,
     PROMPT_CHARS_PER_TOKEN,
@@ -412,7 +412,7 @@ def test_a_request_failing_in_generation_fails_alone_as_the_server_s_error(loade
     """A logits processor that fails from its third call on, inside a decoding cycle shared with
     normal requests: that request alone gets a 500 (JSON, a server error), the others
     their greedy replies."""
-    import dflash_mlx.server.worker as server_module
+    import dflash_mlx.serve.worker as server_module
 
     make = server_module.make_logits_processors
 

@@ -12,9 +12,9 @@ import test_families
 from helpers import reference_greedy
 from test_families import FAMILIES, GLM_DSA, build, first_difference, prompt_of, run
 
-from dflash_mlx import backends
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models import backends
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.target import TargetAdapter
 
 TOP_K = 32
 SPARSE = {"glm_moe_dsa": (FAMILIES["glm_moe_dsa"][0], dict(GLM_DSA, index_topk=TOP_K))}

@@ -5,7 +5,7 @@ import socket
 import subprocess
 import sys
 
-from dflash_mlx.convert import convert_draft
+from dflash_mlx.cli.convert import convert_draft
 
 
 def dead_pid() -> int:

@@ -6,7 +6,7 @@ import time
 
 from test_cli import dflash, greedy_text
 
-from dflash_mlx.stops import StopStrings
+from dflash_mlx.decode.stops import StopStrings
 
 
 def stop_in(text: str, start: int = 6) -> str:

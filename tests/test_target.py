@@ -15,9 +15,11 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.utils import save_model
 
 import dflash_mlx
-from dflash_mlx import blas, loading, stream_generate
-from dflash_mlx.loading import default_dtype, dtype_for_device
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES, TargetAdapter, TreeShape
+from dflash_mlx import stream_generate
+from dflash_mlx.models import loading
+from dflash_mlx.models.loading import default_dtype, dtype_for_device
+from dflash_mlx.models.target import SUPPORTED_MODEL_TYPES, TargetAdapter, TreeShape
+from dflash_mlx.native import blas
 
 
 def test_nested_rope_theta_is_honoured(workdir, make_pair):

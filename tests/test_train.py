@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 import dflash_mlx
 from dflash_mlx import cli
 from dflash_mlx.chat_format import render
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.train.blocks import (
     block_hidden,
     block_labels,

@@ -12,9 +12,9 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import cli
-from dflash_mlx.draft import DFlashConfig, DFlashDraft
-from dflash_mlx.sampling import make_verifier
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.decode.sampling import make_verifier
+from dflash_mlx.models.draft import DFlashConfig, DFlashDraft
+from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.train.blocks import block_hidden, selector_loss
 from dflash_mlx.train.trainer import (
     DFlash2Shape,

@@ -14,9 +14,9 @@ from mlx.utils import tree_flatten
 
 import dflash_mlx
 from dflash_mlx import cli
-from dflash_mlx.dspark import DSparkDraft
-from dflash_mlx.sampling import make_verifier
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.decode.sampling import make_verifier
+from dflash_mlx.models.dspark import DSparkDraft
+from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.train.blocks import block_hidden
 from dflash_mlx.train.dspark import DSparkShape, DSparkTrainer
 from dflash_mlx.train.features import sequence_features

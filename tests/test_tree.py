@@ -25,12 +25,12 @@ from test_sampling import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlock, AdaptiveTree
-from dflash_mlx.checkpoint import init_draft
-from dflash_mlx.rollback import cache_parts, keep_path
-from dflash_mlx.sampling import make_logprobs_transform
-from dflash_mlx.target import TargetAdapter, TreeShape
-from dflash_mlx.tree import Tree, ancestor_mask, build_tree, top_candidates, walk
+from dflash_mlx.decode.adaptive import AdaptiveBlock, AdaptiveTree
+from dflash_mlx.decode.sampling import make_logprobs_transform
+from dflash_mlx.models.checkpoint import init_draft
+from dflash_mlx.models.rollback import cache_parts, keep_path
+from dflash_mlx.models.target import TargetAdapter, TreeShape
+from dflash_mlx.models.tree import Tree, ancestor_mask, build_tree, top_candidates, walk
 
 TREE_FAMILIES = [
     "llama",

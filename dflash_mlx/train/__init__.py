@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..draft import DFlashDraft
+    from ..models.draft import DFlashDraft
     from .trainer import DraftShape
 
 DEFAULT_TAPS = "1,8,14,20,27"
@@ -186,7 +186,7 @@ def work_dir(args: argparse.Namespace) -> Path:
 
 def load_target(args: argparse.Namespace):
     from .. import load
-    from ..gguf import smollm2_model_dir
+    from ..models.gguf import smollm2_model_dir
 
     return load(args.model or smollm2_model_dir(), trust_remote_code=args.trust_remote_code)
 
@@ -230,7 +230,7 @@ def loss_settings(args: argparse.Namespace, arch: str) -> dict:
 
 
 def arch_of(draft: DFlashDraft) -> str:
-    from ..dspark import DSparkConfig
+    from ..models.dspark import DSparkConfig
 
     if isinstance(draft.config, DSparkConfig):
         return "dspark"
@@ -338,7 +338,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
             draft, args, str(ckpt), ": resume without that flag, or move ckpt/ away to start over"
         )
     elif args.init_from:
-        from ..checkpoint import load_draft
+        from ..models.checkpoint import load_draft
 
         source = load_draft(args.init_from, dtype=mx.float32)
         if arch_of(source) != "dflash1":  # it keeps its own shape
@@ -404,9 +404,9 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     if args.draft_vocab:
         from mlx_lm.utils import load_tokenizer
 
-        from ..gguf import smollm2_model_dir
-        from ..loading import read_config, resolve_path
-        from ..target import TARGET_PATTERNS
+        from ..models.gguf import smollm2_model_dir
+        from ..models.loading import read_config, resolve_path
+        from ..models.target import TARGET_PATTERNS
         from .data import read_records
         from .export import top_tokens
 

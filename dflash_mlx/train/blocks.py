@@ -17,7 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..draft import BlockContext, CandidateSelector, DFlashDraft
+from ..models.draft import BlockContext, CandidateSelector, DFlashDraft
 
 
 def sample_anchors(

@@ -31,8 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft import DFlashConfig, DFlashDraft
-from ..dspark import MARKOV_HEAD_TYPES, DSparkConfig, MarkovHead
+from ..models.draft import DFlashConfig, DFlashDraft
+from ..models.dspark import MARKOV_HEAD_TYPES, DSparkConfig, MarkovHead
 from .blocks import block_hidden, block_loss, drafting_slots, predicting_positions
 from .trainer import Sequence, Trainer
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checkpoint import save_draft, save_weights, write_config
-from ..draft import DFlashDraft
+from ..models.checkpoint import save_draft, save_weights, write_config
+from ..models.draft import DFlashDraft
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..target import TargetAdapter
+from ..models.target import TargetAdapter
 
 
 def sequence_features(

@@ -22,10 +22,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..checkpoint import draft_config, init_draft, new_draft, replace_dir, save_weights
-from ..draft import DFlashConfig, DFlashDraft
 from ..generate import stream_generate
-from ..target import TargetAdapter
+from ..models.checkpoint import draft_config, init_draft, new_draft, replace_dir, save_weights
+from ..models.draft import DFlashConfig, DFlashDraft
+from ..models.target import TargetAdapter
 from .blocks import (
     block_hidden,
     block_labels,

@@ -1,0 +1,125 @@
+"""`dflash-mlx generate`: one prompt in, one reply out, like `mlx_lm.generate`.
+
+The reply streams to stdout and the stats go to stderr, so the output can be
+piped; `--json` prints one JSON object with the text and the stats instead.
+Under `mlx.launch` the target is sharded over the ranks and rank 0 alone reads
+the prompt and writes the reply.
+
+    echo "Why is the sky blue?" | dflash-mlx generate --model M --draft D
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..chat_format import chat_prompt, continued_prompt, has_chat_template
+from ..decode.stops import stop_at_strings
+from ..generate import stream_generate
+from ..models.distributed import Lockstep, broadcast_text, is_rank0, world_group
+from ..options import (
+    PrefillProgress,
+    ReplyStats,
+    add_cache_file_argument,
+    add_model_arguments,
+    add_prompt_arguments,
+    generation_settings,
+    load_cache_file,
+    load_models,
+    say,
+)
+
+
+def true_unless_false(text: str) -> bool:
+    """`--verbose`'s value as mlx_lm.generate reads it: false for 'False' or 'F' (any case)."""
+    return text.lower() not in ("false", "f")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_prompt_arguments(parser)
+    add_cache_file_argument(parser)
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="end the reply where this text appears, without printing it (repeatable)",
+    )
+    parser.add_argument(
+        "--prefill-response",
+        help="the start of the reply: the model goes on from it (with the chat template; "
+        "as mlx_lm.generate's)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
+    parser.add_argument(
+        "--verbose",
+        type=true_unless_false,
+        default=True,
+        help="'False' or 'F': print the reply alone, without the loading line, the prefill's "
+        "progress and the stats (as mlx_lm.generate's)",
+    )
+
+
+def chat_text(tokenizer: TokenizerWrapper, args: argparse.Namespace, prompt: str) -> str:
+    """The prompt as a user turn after the system prompt, rendered with the chat template
+    for the reply, or for the rest of it after `--prefill-response` (as mlx_lm.generate)."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    if args.prefill_response is None:
+        return chat_prompt(tokenizer, messages, **args.chat_template_config)
+    messages.append({"role": "assistant", "content": args.prefill_response})
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True, **args.chat_template_config
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    group = world_group()  # under mlx.launch: rank 0 reads the prompt and alone writes
+    prompt = None
+    if is_rank0(group):
+        prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    prompt = broadcast_text(prompt, group)
+    if not prompt.strip():
+        raise ValueError("the prompt is empty (give --prompt or text on stdin)")
+    model, tokenizer, draft = load_models(args)
+    chat = args.chat_template and has_chat_template(tokenizer)  # as mlx_lm.generate: else raw
+    cache = load_cache_file(args, model, draft)
+    if cache is not None:  # the prompt goes on from the cached one
+        if args.system or args.prefill_response is not None:
+            raise ValueError(
+                "--system-prompt belongs to the cached prompt (dflash-mlx cache-prompt), and "
+                "--prefill-response does not go on from one"
+            )
+        prompt = continued_prompt(tokenizer, cache.tokens, prompt, chat, args.chat_template_config)
+    elif chat:
+        prompt = chat_text(tokenizer, args, prompt)
+    elif args.system:  # as mlx_lm.generate, which uses it only in the template, but said
+        say(args, "note: --system-prompt is not used without the chat template")
+    stats = ReplyStats()
+    settings = generation_settings(args)
+    progress = PrefillProgress() if args.verbose and is_rank0(group) else None
+    responses = stream_generate(
+        model,
+        draft,
+        tokenizer,
+        prompt,
+        settings=settings,
+        prompt_cache=cache,
+        prompt_progress_callback=progress,
+    )
+    lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
+    for response in lockstep.steps(stop_at_strings(responses, args.stop)):
+        stats.add(response)
+        if not args.json and is_rank0(group):
+            print(response.text, end="", flush=True)
+    if not is_rank0(group):
+        return
+    if args.json:
+        print(json.dumps({"text": stats.text, **stats.as_dict()}))
+        return
+    print()
+    if args.verbose:
+        print(stats.summary(), file=sys.stderr)

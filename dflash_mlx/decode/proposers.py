@@ -1,0 +1,230 @@
+"""What proposes draft tokens to a cycle: a drafter, the prompt lookup, or nothing.
+
+A cycle asks the rows' proposers for chains (`chains`: tokens after each row's last
+committed one, and their log-probabilities for speculative sampling) or trees (`trees`),
+hands them the target's features of the positions each row kept (`observe`, for proposers
+that tap target layers: `layer_ids`), and tells each the tokens committed (`committed`)
+and which of a tree's nodes the target accepted (`verified`). The rows that draft with one
+drafter module share its forwards; the base class proposes nothing: plain decoding. A new
+kind of drafter is one more subclass here; the cycle stays as it is.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..models.draft import Choose, DFlashDraft, TreeScores
+from ..models.target import TargetAdapter
+from ..models.tree import Tree, graft
+from .lookup import ContextLookup
+
+__all__ = ["Choose", "TreeScores"]
+
+
+class Proposer:
+    """Proposes nothing (plain decoding); the hooks every proposer may use."""
+
+    layer_ids: list[int] | None = None  # the target layers whose features `observe` wants
+
+    def committed(self, tokens: list[int]) -> None:
+        """Tokens committed to the reply, in order."""
+
+    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
+        """This row's tree from its drafter's (the root alone without one): as it is here."""
+        return tree
+
+    @property
+    def drafting(self) -> DrafterProposer | None:
+        """The drafter proposer whose forwards this row's chains, trees and observations share
+        with other rows'; None: it has no drafter."""
+        return None
+
+    def verified(self, tree: Tree, path: list[int]) -> None:
+        """The target accepted `path` (node indices from the root) of the verified `tree`."""
+
+
+class DrafterProposer(Proposer):
+    """A DFlash drafter: proposes from the target's features through the target's
+    embedding and LM head (restricted to its draft vocabulary, if it has one)."""
+
+    def __init__(self, draft: DFlashDraft, target: TargetAdapter, cache: list, choose: Choose):
+        check_compatible(target, draft)
+        self.draft, self.cache, self.choose = draft, cache, choose
+        self.embed = target.embed_tokens
+        self.head = target.draft_head(draft.config.draft_vocab)
+        self.layer_ids = draft.config.target_layer_ids
+        self.mask = draft.config.mask_token_id
+
+    @property
+    def drafting(self) -> DrafterProposer:
+        return self
+
+
+def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
+    """Fail early, naming the mismatch, when a drafter was not made for this target."""
+    cfg = draft.config
+    n_layers = len(target.layers)
+    out_of_range = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
+    if out_of_range:
+        raise ValueError(
+            f"drafter taps target layers {out_of_range}, but the target has {n_layers} layers"
+        )
+    n_features = len(cfg.target_layer_ids)
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"drafter fc expects {n_features} target layers x hidden size {cfg.hidden_size} "
+            f"= {n_features * cfg.hidden_size} features, but the target's hidden size is "
+            f"{target.hidden_size} ({n_features * target.hidden_size} features)"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"drafter vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}"
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+            f"(size {target.vocab_size})"
+        )
+
+
+class LookupProposer(Proposer):
+    """The prompt lookup (`lookup.py`): what followed the last token where it occurred
+    before, grafted onto the trees of `base` (a drafter) or, without one, alone."""
+
+    def __init__(self, prompt: list[int], base: Proposer | None = None):
+        self.lookup, self.base = ContextLookup(prompt), base or Proposer()
+        self.layer_ids = self.base.layer_ids
+        self.nodes: list[int] = []  # the last tree's chain tokens' nodes
+
+    def committed(self, tokens: list[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
+        tree, self.nodes = graft(
+            self.base.graft(tree, depth, budget), *self.lookup.proposal(depth), budget
+        )
+        return tree
+
+    @property
+    def drafting(self) -> DrafterProposer | None:
+        return self.base.drafting
+
+    def verified(self, tree: Tree, path: list[int]) -> None:
+        # a policy may have verified the tree's first nodes only
+        self.lookup.record([n if n < len(tree) else -1 for n in self.nodes], path)
+        self.base.verified(tree, path)
+
+
+def by_drafter(proposers: list[Proposer], *keys: list[int]) -> dict[tuple, list[int]]:
+    """The indices of the proposers that draft, grouped by the drafter module they draft
+    with (and by `keys[k][i]`, where rows must agree on more to share a forward)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, proposer in enumerate(proposers):
+        drafting = proposer.drafting
+        if drafting is not None:
+            key = (id(drafting.draft), *[k[i] for k in keys])
+            groups.setdefault(key, []).append(i)
+    return groups
+
+
+def block_rows(roots: list[int | mx.array], length: int, mask: int) -> mx.array:
+    """The drafter's blocks (rows, 1 + length): each root, then `length` mask tokens; a
+    root may be a token (1,) still on the device."""
+    if all(isinstance(root, int) for root in roots):
+        return mx.array([[root] + [mask] * length for root in roots])
+    masks = mx.full((length,), mask)
+    rows = [mx.concatenate([mx.array([r]) if isinstance(r, int) else r, masks]) for r in roots]
+    return rows[0][None] if len(rows) == 1 else mx.stack(rows)
+
+
+def chains(
+    proposers: list[Proposer],
+    roots: list[int | mx.array],
+    lengths: list[int],
+    contexts: list[list[int] | None],
+) -> list[tuple[mx.array, mx.array | None]]:
+    """Each row's chain of up to `lengths[i]` drafts after `roots[i]` and their
+    log-probabilities q (None unless sampling; a drafter may stop short: a DSpark confidence
+    head); `contexts[i]` is every token up to the root, for logits processors. The rows
+    drafting with one drafter module share one drafter forward (`DFlashDraft.propose`)."""
+    out: list = [None] * len(proposers)
+    groups = by_drafter(proposers)
+    if sum(map(len, groups.values())) < len(proposers):
+        raise ValueError("this proposer drafts no chains: use a block size of 1")
+    for members in groups.values():
+        drafters = [proposers[i].drafting for i in members]
+        first = drafters[0]
+        blocks = block_rows(
+            [roots[i] for i in members], max(lengths[i] for i in members), first.mask
+        )
+        proposed = first.draft.propose(
+            blocks,
+            first.embed,
+            first.head,
+            [d.cache for d in drafters],
+            [d.choose for d in drafters],
+            [contexts[i] for i in members],
+            [lengths[i] for i in members],
+        )
+        for i, chain in zip(members, proposed):
+            out[i] = chain
+    return out
+
+
+def trees(
+    proposers: list[Proposer],
+    roots: list[int],
+    depths: list[int],
+    budgets: list[int],
+    scores: list[TreeScores | None],
+) -> list[Tree]:
+    """Each row's tree of up to `budgets[i]` draft tokens after `roots[i]`, at most
+    `depths[i]` deep, ranked by `scores[i]` of the drafter's logits (None: the logits
+    themselves), then grafted by its proposer (`Proposer.graft`: the prompt lookup's). The
+    rows drafting with one drafter module to one depth share one drafter forward
+    (`DFlashDraft.trees`); a row without a drafter starts from its root alone."""
+    out = [Tree([root], [-1], [0]) for root in roots]
+    for (_, depth), members in by_drafter(proposers, depths).items():
+        drafters = [proposers[i].drafting for i in members]
+        first = drafters[0]
+        drafted = first.draft.trees(
+            [roots[i] for i in members],
+            depth,
+            first.embed,
+            first.head,
+            [d.cache for d in drafters],
+            [budgets[i] for i in members],
+            [scores[i] for i in members],
+        )
+        for i, tree in zip(members, drafted):
+            out[i] = tree
+    return [p.graft(tree, d, b) for p, tree, d, b in zip(proposers, out, depths, budgets)]
+
+
+def observe(proposers: list[Proposer], features: mx.array, kept: list[int | list[int]]) -> None:
+    """Hand each row's drafter the target's features (rows, n, len(layer_ids) x hidden) of
+    one forward's positions its row kept: the first `kept[i]` (an int) or those listed (a
+    tree's accepted path). The rows drafting with one drafter module take them in one
+    drafter pass (`DFlashDraft.append_context`); the others observe nothing."""
+    for members in by_drafter(proposers).values():
+        drafters = [proposers[i].drafting for i in members]
+        if len(members) == 1:
+            i = members[0]
+            index = mx.array(kept[i]) if isinstance(kept[i], list) else slice(kept[i])
+            rows = features if len(proposers) == 1 else features[i : i + 1]
+            drafters[0].draft.append_context(rows[:, index], [drafters[0].cache])
+            continue
+        rows = features[mx.array(members)] if len(members) < len(proposers) else features
+        counts = [len(kept[i]) if isinstance(kept[i], list) else kept[i] for i in members]
+        if any(isinstance(kept[i], list) for i in members):
+            longest = max(counts)
+            paths = [
+                kept[i] + [0] * (longest - len(kept[i]))
+                if isinstance(kept[i], list)
+                else list(range(kept[i])) + [0] * (longest - kept[i])
+                for i in members
+            ]
+            rows = mx.take_along_axis(rows, mx.array(paths)[:, :, None], axis=1)
+        else:
+            rows = rows[:, : max(counts)]
+        drafters[0].draft.append_context(rows, [d.cache for d in drafters], counts)
