@@ -1,6 +1,6 @@
 """What `generate`, `chat` and `serve` share: model flags, loading, reply stats.
 
-Kept apart from `cli/__init__.py` so the subcommand modules can import it without an
+Kept apart from the `cli` package so that its command modules and the server can import
 it without an import cycle through the dispatcher.
 """
 
