@@ -1,11 +1,13 @@
-"""One rank of a test of tensor parallelism, started by test_distributed.py; prints one JSON line.
+"""One rank of the tests of tensor and pipeline parallelism, started by test_distributed.py;
+each rank pays its imports once for three checks and prints one JSON line:
 
-python distributed_rank.py sample TARGET DRAFT   tokens sampled at temperature 1
-python distributed_rank.py qwen3_5 TOKENIZER_DIR greedy tokens of a tiny qwen3_5 (LM head
-                                                 sharded over the vocabulary), no EOS
-python distributed_rank.py pipeline TOKENIZER_DIR the same, its layers split over the ranks
-                                                 (pipeline parallel), the drafter tapping
-                                                 layers on different ranks
+python distributed_rank.py TARGET DRAFT
+
+sample    tokens of TARGET (sharded) sampled at temperature 1, and the seed they were drawn with
+qwen3_5   greedy tokens of a tiny qwen3_5 (LM head sharded over the vocabulary), no EOS,
+          TARGET's tokenizer
+pipeline  the same, its layers split over the ranks (pipeline parallel), the drafter tapping
+          layers on different ranks, and what the drafter saw
 """
 
 import json
@@ -28,6 +30,7 @@ from dflash_mlx.models.target import TargetAdapter, pipeline, shard  # noqa: E40
 MAX_TOKENS = 24
 QWEN3_5_UNTIED = dict(text_config=dict(GATED_DELTA, tie_word_embeddings=False))
 DRAFT_VOCAB = list(range(0, 320, 3))  # through the vocabulary-sharded head: masked, not sliced
+SAMPLED = dict(block_size=4, temperature=1.0)
 TAPPED = [1, 3]  # split over 2 pipeline ranks: rank 1 holds layers 0-1, rank 0 layers 2-4
 
 
@@ -42,32 +45,38 @@ def tokens_of(model, draft, tokenizer, prompt, **kwargs) -> list[int]:
     return [t for r in responses for t in r.tokens]
 
 
+def sampled(group, target: str, draft_dir: str) -> dict:
+    model, tokenizer = load(target, tensor_group=group)
+    draft = load_draft(draft_dir)  # before seeding: loading may draw from the generator
+    seed = shared_seed(None, group)
+    mx.random.seed(seed)
+    return {"seed": seed, "tokens": tokens_of(model, draft, tokenizer, PROMPT, **SAMPLED)}
+
+
+def qwen3_5_greedy(group, tokenizer, mode: str) -> dict:
+    model = build("qwen3_5", fields=QWEN3_5_UNTIED)
+    draft = init_draft(model, num_layers=2, block_size=4)
+    reply = {}
+    if mode == "pipeline":
+        draft.config.target_layer_ids = TAPPED
+        pipeline(model, group)
+        reply["features"] = tapped_features(model)
+    else:
+        draft.config.draft_vocab = DRAFT_VOCAB
+        shard(model, group)
+    return {"tokens": tokens_of(model, draft, tokenizer, PROMPT, block_size=4), **reply}
+
+
 def main() -> None:
     group = world_group()
-    mode = sys.argv[1]
-    if mode == "sample":
-        model, tokenizer = load(sys.argv[2], tensor_group=group)
-        draft = load_draft(sys.argv[3])
-        seed = shared_seed(None, group)
-        mx.random.seed(seed)
-        tokens = tokens_of(model, draft, tokenizer, PROMPT, block_size=4, temperature=1.0)
-    else:
-        seed = None
-        model = build("qwen3_5", fields=QWEN3_5_UNTIED)
-        draft = init_draft(model, num_layers=2, block_size=4)
-        if mode == "pipeline":
-            draft.config.target_layer_ids = TAPPED
-            pipeline(model, group)
-            features = tapped_features(model)
-        else:
-            draft.config.draft_vocab = DRAFT_VOCAB
-            shard(model, group)
-        tokenizer = load_tokenizer(Path(sys.argv[2]))
-        tokenizer.eos_token_ids = []
-        tokens = tokens_of(model, draft, tokenizer, PROMPT, block_size=4)
-    reply = {"rank": group.rank(), "seed": seed, "tokens": tokens}
-    if mode == "pipeline":
-        reply["features"] = features
+    target, draft = sys.argv[1:3]
+    tokenizer = load_tokenizer(Path(target))
+    tokenizer.eos_token_ids = []
+    reply = {
+        "rank": group.rank(),
+        "sample": sampled(group, target, draft),
+        **{mode: qwen3_5_greedy(group, tokenizer, mode) for mode in ("qwen3_5", "pipeline")},
+    }
     print(json.dumps(reply), flush=True)
 
 

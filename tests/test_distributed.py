@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, tapped_features
+from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, SAMPLED, tapped_features
 from helpers import reference_greedy, set_eos
 from openai import APIConnectionError, InternalServerError, OpenAI
 from test_families import PROMPT, build
@@ -125,13 +125,6 @@ def launch(
     return proc.returncode, out, err
 
 
-def test_the_launcher_is_found_with_the_environment_off_path(monkeypatch):
-    monkeypatch.setenv("PATH", os.defpath)
-    status, out, err = launch(["--version"])
-    assert status == 0, err
-    assert out.count(f"dflash-mlx {dflash_mlx.__version__}\n") == RANKS, out
-
-
 def one_process_reply(models: tuple, text: str, max_tokens: int) -> str:
     """The greedy reply of one process, with the block size every launched run here uses."""
     model, tokenizer, drafter = models
@@ -143,20 +136,17 @@ def model_flags(pair: tuple[Path, Path], max_tokens: int) -> list[str]:
     return ["--model", str(target), "--draft", str(draft), "-m", str(max_tokens)]
 
 
-@pytest.mark.parametrize(
-    "name, n",
-    # 4 ranks need 4 KV heads; 156 s on the loaded 2-core box, so slow like the whole module.
-    # llama-tied-gqa sharded over 2 ranks: the next tests' (generate, chat, bench, serve)
-    [("qwen3-untied-mha", 2), ("llama-untied-mha", 4)],
-)
-def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loaded, name, n):
-    tokenizer = loaded(name)[1]
+def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loaded, monkeypatch):
+    """Over 4 ranks (4 KV heads), with the launcher found beside the interpreter while the
+    environment is off PATH."""
+    monkeypatch.setenv("PATH", os.defpath)
+    tokenizer = loaded("llama-untied-mha")[1]
     prompt = "How many apples?"
     text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected = one_process_reply(loaded(name), text, 20)
+    expected = one_process_reply(loaded("llama-untied-mha"), text, 20)
     assert len(expected) > 5
-    argv = ["generate", *model_flags(make_pair(name), 20), "-p", prompt, "--block-size", "4"]
-    status, out, err = launch(argv, n=n)
+    argv = ["generate", *model_flags(make_pair("llama-untied-mha"), 20), "-p", prompt]
+    status, out, err = launch([*argv, "--block-size", "4"], n=4)
     assert status == 0, err
     assert out == expected + "\n", err
     # the loading line and the stats line from rank 0 only (a slow prefill's bar may come too)
@@ -167,16 +157,18 @@ def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loa
 def test_mlx_launch_adapts_block_sizes_alike_on_every_rank(make_pair, loaded):
     """Without --block-size every rank chooses each cycle's size from the acceptance and the
     fixed cost table: the sizes change (the random drafter is never accepted), the ranks stay
-    in step, and the reply is the one process's greedy reply."""
-    model, tokenizer, drafter = loaded("llama-tied-gqa")
+    in step, and the reply is the one process's greedy reply, printed once. A qwen3 target:
+    llama-tied-gqa is sharded over 2 ranks by the next tests (chat, bench, serve)."""
+    model, tokenizer, drafter = loaded("qwen3-untied-mha")
     text = chat_prompt(tokenizer, [{"role": "user", "content": "How many apples?"}])
     expected = dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=30, block_size=1)
-    argv = ["generate", *model_flags(make_pair("llama-tied-gqa"), 30), "-p", "How many apples?"]
+    argv = ["generate", *model_flags(make_pair("qwen3-untied-mha"), 30), "-p", "How many apples?"]
     status, out, err = launch([*argv, "--json"])
     assert status == 0, err
     result = json.loads(out)
     assert result["text"] == expected
     assert 0 < result["proposed"] < 15 * result["cycles"]  # drafted, but not the full block
+    assert err.count("loading ") == 1, err
 
 
 def test_mlx_launch_chat_replies_as_one_process_with_the_prompt_cache(make_pair, loaded):
@@ -275,37 +267,40 @@ def test_serve_ends_with_an_error_when_a_rank_died_between_requests(make_pair, t
     assert err.strip().splitlines()[-1].startswith("dflash-mlx serve: error: rank 0: [ring]")
 
 
-def test_seeded_sampling_draws_the_same_tokens_on_every_rank(make_pair, loaded, tmp_path):
-    target, draft = make_pair("llama-tied-gqa")
-    command = [sys.executable, str(RANK_SCRIPT), "sample", str(target), str(draft)]
-    with ranks(command, tmp_path) as procs:
+@pytest.fixture(scope="module")
+def rank_replies(make_pair, tmp_path_factory) -> list[dict]:
+    """Each rank's JSON line from one run of distributed_rank.py (sampling, then qwen3_5
+    tensor and pipeline parallel), in rank order."""
+    target, draft = make_pair("llama-tied-gqa")  # the target to sample, and its tokenizer
+    command = [sys.executable, str(RANK_SCRIPT), str(target), str(draft)]
+    with ranks(command, tmp_path_factory.mktemp("ranks")) as procs:
         results = outputs(procs)
     assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
     replies = [json.loads(out) for _, out, _ in results]
     assert [r["rank"] for r in replies] == list(range(RANKS))
-    assert len({r["seed"] for r in replies}) == 1, "every rank must use rank 0's seed"
-    assert all(r["tokens"] == replies[0]["tokens"] for r in replies)
+    return replies
+
+
+def test_seeded_sampling_draws_the_same_tokens_on_every_rank(rank_replies, loaded):
+    sampled = [r["sample"] for r in rank_replies]
+    assert len({s["seed"] for s in sampled}) == 1, "every rank must use rank 0's seed"
+    assert all(s["tokens"] == sampled[0]["tokens"] for s in sampled)
     model, tokenizer, drafter = loaded("llama-tied-gqa")
-    mx.random.seed(replies[0]["seed"])  # one process with that seed draws the same tokens
-    kwargs = dict(max_tokens=MAX_TOKENS, block_size=4, temperature=1.0)
-    responses = stream_generate(model, drafter, tokenizer, PROMPT, **kwargs)
-    assert [t for r in responses for t in r.tokens] == replies[0]["tokens"]
+    mx.random.seed(sampled[0]["seed"])  # one process with that seed draws the same tokens
+    responses = stream_generate(model, drafter, tokenizer, PROMPT, max_tokens=MAX_TOKENS, **SAMPLED)
+    assert [t for r in responses for t in r.tokens] == sampled[0]["tokens"]
 
 
 @pytest.mark.parametrize("mode", ["qwen3_5", "pipeline"])
-def test_qwen3_5_tensor_or_pipeline_parallel_equals_mlx_lm_greedy(make_pair, tmp_path, mode):
+def test_qwen3_5_tensor_or_pipeline_parallel_equals_mlx_lm_greedy(rank_replies, mode):
     """Tensor parallel with a vocabulary-sharded head; pipeline parallel with the drafter's
     tapped layers (and recurrent caches to roll back) on different ranks."""
-    target, _ = make_pair("llama-tied-gqa")  # for its tokenizer
     model = build("qwen3_5", fields=QWEN3_5_UNTIED)
     expected = reference_greedy(model, PROMPT, MAX_TOKENS, set())
-    with ranks([sys.executable, str(RANK_SCRIPT), mode, str(target)], tmp_path) as p:
-        results = outputs(p)
-    assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
-    for _, out, _ in results:
-        assert json.loads(out)["tokens"] == expected
+    for reply in rank_replies:
+        assert reply[mode]["tokens"] == expected
         if mode == "pipeline":  # the drafter's input, gathered from both ranks, is one process's
-            assert json.loads(out)["features"] == pytest.approx(tapped_features(model), rel=1e-4)
+            assert reply[mode]["features"] == pytest.approx(tapped_features(model), rel=1e-4)
 
 
 HUNG = "no progress for 10 s: a peer stopped responding (--rank-timeout)"
