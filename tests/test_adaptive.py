@@ -4,6 +4,7 @@ budget chosen per cycle from the drafter's confidence beats every fixed budget w
 tells good cycles from bad ones, and neither ever changes the output."""
 
 import random
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -97,7 +98,7 @@ def simulate_batch(widths: ByWidth, own, rates, cost, rows: int, cycles: int, se
     tokens = seconds = 0.0
     sizes = []
     for _ in range(cycles):
-        policy = widths.policy(own, rows)
+        policy = widths.policy(SimpleNamespace(policy=own), rows)
         n = policy.plan().drafts + 1
         tried = []
         for _ in range(rows):

@@ -195,7 +195,7 @@ def test_sampled_rows_of_shared_cycles_are_exact_in_distribution(loaded, launche
     seconds, accepted = [], []
     for _ in range(150):
         batch = make_batch(model, oracle)
-        batch.widths.policy = lambda own, rows: FixedPlan(Plan(1))  # one draft per row
+        batch.widths.policy = lambda reply, rows: FixedPlan(Plan(1))  # one draft per row
         generators = [
             stream_generate(
                 model, oracle, tokenizer, prompt, max_tokens=3, temperature=1.0, batch=batch

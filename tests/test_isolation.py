@@ -143,7 +143,7 @@ def run(batch, generators: dict, replies: dict) -> tuple[dict, dict]:
 def shared_batch(model, draft):
     """A batch whose shared cycles draft 3 tokens a row (not as measured costs choose)."""
     batch = make_batch(model, draft)
-    batch.widths.policy = lambda own, rows: FixedPlan(Plan(3))
+    batch.widths.policy = lambda reply, rows: FixedPlan(Plan(3))
     return batch
 
 

@@ -26,7 +26,10 @@ def repeating_prompts(count: int) -> list[list[int]]:
 
 
 def shared_replies(model, draft, tokenizer, texts, **settings) -> dict:
+    """The replies to `texts` decoded together, each shared cycle planned by each reply's own
+    settings (not as the batch's measured costs would choose: the shapes are the point)."""
     batch = make_batch(model, draft)
+    batch.widths.policy = lambda reply, rows: reply.policy
     generators = {
         i: stream_generate(
             model, draft, tokenizer, text, max_tokens=MAX_TOKENS, batch=batch, **settings
@@ -55,6 +58,30 @@ def test_shared_cycles_verify_each_rows_tree_with_the_lookup(loaded, launched, s
     assert got == expected(model, texts)
     if settings:  # the default may settle on chains: what it runs is its own choice
         assert_shared_trees(launched, grafts=True)
+
+
+def test_a_fixed_tree_budget_is_costed_for_shared_cycles(loaded, launched):
+    """Shared cycles cost more per position than a reply's own: a fixed tree budget's shared
+    cycles are planned by the batch's policy for that many rows, which tries the trees and
+    keeps what pays; every reply is still its own greedy reply."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    texts = repeating_prompts(4)
+    batch = make_batch(model, draft)
+    generators = {
+        i: stream_generate(
+            model,
+            draft,
+            no_eos(tokenizer),
+            text,
+            max_tokens=MAX_TOKENS,
+            batch=batch,
+            tree_budget=8,
+        )
+        for i, text in enumerate(texts)
+    }
+    assert interleave(generators) == expected(model, texts)
+    [(key, policy)] = batch.widths.policies.items()
+    assert key[0] == 4 and policy.trees_measured  # trees tried at four rows, and costed
 
 
 def test_shared_dflash2_selector_trees(dflash2_pair, loaded, launched):  # noqa: F811

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..models.distributed import world_group
 from ..models.draft import DFlashDraft
@@ -23,6 +23,9 @@ from ..models.target import TargetAdapter
 from ..settings import GenerationSettings
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle, Plan
 from .prompt_cache import PromptCache
+
+if TYPE_CHECKING:
+    from .cycle import Reply
 
 
 class Policy(Protocol):
@@ -59,23 +62,35 @@ ADAPTIVE = (AdaptiveBlock, AdaptiveTree, AdaptiveStrategy)
 @dataclass
 class ByWidth:
     """The policies of a batch's shared cycles, by number of rows and what they were made
-    for. A new width starts as a copy of the policy that plans it (what the reply learned
-    alone, or at the nearest width measured), then measures its own cycles; a fixed plan
-    stays the reply's own."""
+    for. A cycle of several rows costs more per position than a reply's own, so its shape
+    is chosen by measured cost for that many rows even where a reply's own is fixed: an
+    adaptive reply's width starts as a copy of its policy (what it learned alone, or at the
+    nearest width measured), a fixed chain or tree as an `AdaptiveStrategy` up to it (chains
+    up to its depth, trees up to its budget); each then measures its own cycles. A reply
+    that drafts nothing, or has no drafter to draft chains with, keeps its own plan."""
 
-    policies: dict[tuple[int, tuple[str, int]], Policy] = field(default_factory=dict)
+    policies: dict[tuple[int, tuple], Policy] = field(default_factory=dict)
 
-    def policy(self, own: Policy, rows: int) -> Policy:
-        """The policy that plans a cycle of `rows` rows for a reply whose own is `own`."""
-        if rows == 1 or not isinstance(own, ADAPTIVE):
+    def policy(self, reply: Reply, rows: int) -> Policy:
+        """The policy that plans `reply`'s row in a cycle of `rows` rows."""
+        own = reply.policy
+        if isinstance(own, FixedPlan):
+            fixed = own.fixed
+            if rows == 1 or not fixed.drafts or reply.state.proposer.drafting is None:
+                return own
+            budget = fixed.drafts if fixed.tree else 0
+            setting = ("fixed", fixed, reply.depth)
+            start: Policy = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
+        elif rows == 1:
             return own
-        key = (rows, own.setting)
-        if key not in self.policies:
-            widths = [width for width, setting in self.policies if setting == own.setting]
+        else:
+            setting, start = own.setting, own
+        if (rows, setting) not in self.policies:
+            widths = [width for width, known in self.policies if known == setting]
             nearest = min(widths, key=lambda width: abs(width - rows), default=None)
-            start = own if nearest is None else self.policies[nearest, own.setting]
-            self.policies[key] = copy.deepcopy(start)
-        return self.policies[key]
+            start = start if nearest is None else self.policies[nearest, setting]
+            self.policies[rows, setting] = copy.deepcopy(start)
+        return self.policies[rows, setting]
 
 
 def settings_unset(settings: GenerationSettings, block_policy: Policy | None) -> bool:

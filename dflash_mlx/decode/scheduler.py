@@ -233,7 +233,7 @@ class Batch:
                 if commit.queued:
                     cycle.drop(commit.queued, reply)
                     commit.queued = None
-                policy = self.widths.policy(reply.policy, len(sharing))
+                policy = self.widths.policy(reply, len(sharing))
                 rows.append((reply, commit.tokens[-1], policy))
             try:
                 self.shared = cycle.launch(rows)
