@@ -10,7 +10,7 @@ published shape (`--shape`, `cycle_cost.py`'s), each row with its own cache of a
 one shared forward over every row's positions against the rows' separate forwards
 (the same work one at a time), both evaluated to the logits, and prints milliseconds
 and both as multiples of one plain decoding step (1 row, 1 position): what the batch's
-policy for that many rows (`plan.ByWidth`) weighs against each row's expected accepted
+policy for that many rows (`scheduler.ByWidth`) weighs against each row's expected accepted
 tokens.
 """
 

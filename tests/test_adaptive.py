@@ -23,7 +23,7 @@ from dflash_mlx.decode.adaptive import (
     Plan,
     interpolated_cost,
 )
-from dflash_mlx.decode.plan import ByWidth
+from dflash_mlx.decode.scheduler import ByWidth
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):

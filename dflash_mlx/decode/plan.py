@@ -6,16 +6,15 @@ verified, accepted and cost. A fixed block size or tree budget is a `FixedPlan`;
 adaptive ones (`adaptive.py`) choose by measured cost: `AdaptiveBlock` chains,
 `AdaptiveTree` tree sizes, and `AdaptiveStrategy`, the library's default, either.
 
-Cycles shared by several replies cost more per position than a reply's own, so an
-adaptive reply plans them from a policy of the batch for that many rows (`ByWidth`),
-which measures the shared cycles' costs as the reply's own policy measures its cycles.
+Cycles shared by several replies cost more per position than a reply's own, so they are
+planned by a policy of the batch for that many rows (`scheduler.ByWidth`), which measures
+the shared cycles' costs as a reply's own policy measures its cycles.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from ..models.distributed import world_group
 from ..models.draft import DFlashDraft
@@ -23,9 +22,6 @@ from ..models.target import TargetAdapter
 from ..settings import GenerationSettings
 from .adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle, Plan
 from .prompt_cache import PromptCache
-
-if TYPE_CHECKING:
-    from .cycle import Reply
 
 
 class Policy(Protocol):
@@ -57,40 +53,6 @@ class FixedPlan:
 
 
 ADAPTIVE = (AdaptiveBlock, AdaptiveTree, AdaptiveStrategy)
-
-
-@dataclass
-class ByWidth:
-    """The policies of a batch's shared cycles, by number of rows and what they were made
-    for. A cycle of several rows costs more per position than a reply's own, so its shape
-    is chosen by measured cost for that many rows even where a reply's own is fixed: an
-    adaptive reply's width starts as a copy of its policy (what it learned alone, or at the
-    nearest width measured), a fixed chain or tree as an `AdaptiveStrategy` up to it (chains
-    up to its depth, trees up to its budget); each then measures its own cycles. A reply
-    that drafts nothing, or has no drafter to draft chains with, keeps its own plan."""
-
-    policies: dict[tuple[int, tuple], Policy] = field(default_factory=dict)
-
-    def policy(self, reply: Reply, rows: int) -> Policy:
-        """The policy that plans `reply`'s row in a cycle of `rows` rows."""
-        own = reply.policy
-        if isinstance(own, FixedPlan):
-            fixed = own.fixed
-            if rows == 1 or not fixed.drafts or reply.state.proposer.drafting is None:
-                return own
-            budget = fixed.drafts if fixed.tree else 0
-            setting = ("fixed", fixed, reply.depth)
-            start: Policy = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
-        elif rows == 1:
-            return own
-        else:
-            setting, start = own.setting, own
-        if (rows, setting) not in self.policies:
-            widths = [width for width, known in self.policies if known == setting]
-            nearest = min(widths, key=lambda width: abs(width - rows), default=None)
-            start = start if nearest is None else self.policies[nearest, setting]
-            self.policies[rows, setting] = copy.deepcopy(start)
-        return self.policies[rows, setting]
 
 
 def settings_unset(settings: GenerationSettings, block_policy: Policy | None) -> bool:

@@ -8,7 +8,7 @@ an EOS token (kept) or at their `max_tokens`, and launches the next cycles befor
 commits are consumed, so the consumer's work overlaps the device's. Replies whose caches
 can share a forward (`rows.batchable`) and whose tokens do not depend on the cycle's shape
 (`Batch._shares`) share one cycle, each row planned by the batch's policy for that many
-rows (`plan.ByWidth`); the others take their own cycles in turn. A failure in one reply's
+rows (`ByWidth`); the others take their own cycles in turn. A failure in one reply's
 part of a cycle ends that reply alone, with its error; a shared cycle that fails runs again
 one reply at a time, so that only a reply that fails alone fails. A single generation is a
 batch of one (`replies`). The loop knows nothing of text, time or what proposes the drafts.
@@ -16,10 +16,12 @@ batch of one (`replies`). The loop knows nothing of text, time or what proposes 
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import mlx.core as mx
@@ -29,8 +31,9 @@ from ..models.draft import DFlashDraft
 from ..models.rows import batchable
 from ..models.target import TargetAdapter
 from . import cycle, proposers
+from .adaptive import AdaptiveStrategy
 from .cycle import Commit, Pending, Reply
-from .plan import ByWidth
+from .plan import FixedPlan, Policy
 
 T = TypeVar("T")
 
@@ -68,6 +71,40 @@ def _prefill_chunk(reply: Reply, tokens: list[int]) -> mx.array:
     if taps:
         proposers.observe([state.proposer], forward.features, [len(tokens)])
     return forward.logits
+
+
+@dataclass
+class ByWidth:
+    """The policies of a batch's shared cycles, by number of rows and what they were made
+    for. A cycle of several rows costs more per position than a reply's own, so its shape
+    is chosen by measured cost for that many rows even where a reply's own is fixed: an
+    adaptive reply's width starts as a copy of its policy (what it learned alone, or at the
+    nearest width measured), a fixed chain or tree as an `AdaptiveStrategy` up to it (chains
+    up to its depth, trees up to its budget); each then measures its own cycles. A reply
+    that drafts nothing, or has no drafter to draft chains with, keeps its own plan."""
+
+    policies: dict[tuple[int, tuple], Policy] = field(default_factory=dict)
+
+    def policy(self, reply: Reply, rows: int) -> Policy:
+        """The policy that plans `reply`'s row in a cycle of `rows` rows."""
+        own = reply.policy
+        if isinstance(own, FixedPlan):
+            fixed = own.fixed
+            if rows == 1 or not fixed.drafts or reply.state.proposer.drafting is None:
+                return own
+            budget = fixed.drafts if fixed.tree else 0
+            setting = ("fixed", fixed, reply.depth)
+            start: Policy = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
+        elif rows == 1:
+            return own
+        else:
+            setting, start = own.setting, own
+        if (rows, setting) not in self.policies:
+            widths = [width for width, known in self.policies if known == setting]
+            nearest = min(widths, key=lambda width: abs(width - rows), default=None)
+            start = start if nearest is None else self.policies[nearest, setting]
+            self.policies[rows, setting] = copy.deepcopy(start)
+        return self.policies[rows, setting]
 
 
 class Batch:
