@@ -38,8 +38,8 @@ from .bench import measure, throughput
 
 DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."
 # The fastest setting measured for SmolLM2 + the shipped drafter on a CPU: trees of 8 with the
-# prompt lookup, 1.66x mlx-lm over the bench suite's prompts against 1.62x for trees of 6 and
-# 1.31x for the adaptive chain (benchmarks/README.md, "Few-row products packed as columns").
+# prompt lookup, ahead of trees of 6 and of the adaptive chain over the bench suite's prompts
+# (benchmarks/README.md, "Few-row products packed as columns").
 DEMO_TREE_BUDGET = 8
 # Two DFlash runs further apart than this share of the faster one: the machine was unsteady.
 UNSTEADY = 0.2

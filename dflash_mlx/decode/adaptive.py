@@ -38,8 +38,8 @@ A policy is worth keeping across generations of the same target and drafter
 costs and acceptance it learned hold for the next reply too, so it does not
 spend each reply's first cycles relearning them.
 
-On a CPU, where a 16-position cycle costs ~1.35 decoding steps and the shipped drafter
-is rarely right past its third token, this settles on 3–5; on a GPU with a strong
+On a CPU, where a 16-position cycle costs little more than a decoding step and the shipped
+drafter is rarely right past its third token, this settles on 3–5; on a GPU with a strong
 drafter it keeps the full block. The block size
 never changes the output.
 """
@@ -75,14 +75,11 @@ class Cycle:
 
 
 # A cycle's cost by block size, relative to a plain step, for sampled runs (no timing).
-# CPU: SmolLM2-135M fp32 on a 2-core x86 with OpenBLAS and the few-row kernel in front
-# (blas.py), the shipped drafter (benchmarks/README.md, "Few-row products packed as
-# columns": fixed-size cycles of 2, 3, 4, 8 and 16 cost 1.14, 1.13, 1.14, 1.19 and 1.36
-# mlx-lm steps).
-# GPU: the Qwen3-8B shape (bf16) on an H100 through MLX's CUDA backend with the verify
-# kernel (benchmarks/README.md, "Verify forward on an H100": the loop at block 1 0.99-1.05
-# mlx-lm steps, a 16-position cycle 2.44-2.84; a 2-position forward about as dear as a
-# 16-position one); Metal is costed like it until measured.
+# CPU: SmolLM2-135M fp32 with OpenBLAS, the few-row kernel and the shipped drafter
+# (benchmarks/README.md, "Few-row products packed as columns").
+# GPU: the Qwen3-8B shape (bf16) on an H100 with the verify kernel, where a 2-position forward
+# is about as dear as a 16-position one (benchmarks/README.md, "Verify forward on an H100");
+# Metal is costed like it until measured.
 FIXED_CYCLE_COSTS = {
     "cpu": {1: 1.0, 2: 1.15, 3: 1.15, 4: 1.15, 8: 1.2, 16: 1.35},
     "gpu": {1: 1.0, 2: 2.4, 16: 2.6},
@@ -314,11 +311,10 @@ class AdaptiveTree:
 
 
 # A tree cycle's cost by verified positions (budget + 1), relative to a plain step, for sampled
-# runs (no timing), measured as `FIXED_CYCLE_COSTS` were. CPU: trees of 6, 8 and 12 with the
-# prompt lookup at 1.23, 1.26 and 1.35 mlx-lm steps (benchmarks/README.md, "Trees and prompt
-# lookup"). GPU: the Qwen3-8B shape on an H100, trees of 4, 8, 16 and 32 at 2.81, 3.26, 3.45 and
-# 3.60 steps where the block-16 chain cost 2.73 ("The few-rows kernel on an H100"), scaled by
-# 2.6 / 2.73 to the chain's cost in `FIXED_CYCLE_COSTS["gpu"]`.
+# runs (no timing), measured as `FIXED_CYCLE_COSTS` were. CPU: trees with the prompt lookup
+# (benchmarks/README.md, "Trees and prompt lookup"). GPU: the Qwen3-8B shape on an H100
+# (benchmarks/README.md, "The few-rows kernel on an H100"), scaled so that the block-16 chain
+# measured beside them costs what `FIXED_CYCLE_COSTS["gpu"]` says.
 FIXED_TREE_COSTS = {
     "cpu": {7: 1.23, 9: 1.26, 13: 1.35},
     "gpu": {5: 2.68, 9: 3.1, 17: 3.29, 33: 3.43},

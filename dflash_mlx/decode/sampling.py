@@ -121,9 +121,9 @@ def make_coupled_choice(
     The best token of the whole row, argmax(logprobs / T + noise), is the nucleus's best
     whenever it is in the nucleus: sure when the tokens at least as likely as it hold less
     than top_p of the mass, with a margin for rounding in the rule's own sums. One exp
-    (`cpu_math`) and a few sums a row instead of a sort and a scalar exp (~5 of a filtered
-    row's ~7 ms on this project's CPU); the other rows (~1 - top_p of them) take the
-    full transform.
+    (`cpu_math`) and a few sums a row instead of a sort and a scalar exp, most of a
+    filtered row's cost on the CPU (see benchmarks/README.md, "Sampling"); the other rows
+    (~1 - top_p of them) take the full transform.
     """
     scores = make_scores_transform(temperature, top_p, top_k, min_p)
 
@@ -160,8 +160,8 @@ def make_draft_ranking(
 
     A coupled draft is accepted iff it equals the target's choice, so any proposal keeps
     the reply exact: a cheaper one only changes how often drafts agree. The
-    full-vocabulary transform of a drafted row (two normalisations, a sort, exps) cost
-    ~9 ms on this project's CPU; this, a fraction of one.
+    full-vocabulary transform of a drafted row (two normalisations, a sort, exps) is
+    dear on the CPU; its near candidates (at most MAX_CANDIDATES) cost a fraction of it.
     """
     transform = make_logprobs_transform(temperature, top_p, top_k, min_p)
 
@@ -195,8 +195,8 @@ def near_candidates(rows: np.ndarray, temperature: float) -> tuple[np.ndarray, n
 
 def logsumexp(x: mx.array) -> mx.array:
     """`mx.logsumexp` over the last axis, kept; float32 rows on the CPU through
-    `cpu_math`, whose exp vectorises (MLX's CPU exp is scalar: ~15 ms for a 5-row
-    cycle's full-vocabulary normalisations of 49k logits)."""
+    `cpu_math`, whose exp vectorises where MLX's CPU exp runs one element at a time
+    (see benchmarks/README.md, "Sampled runs adapt too, and top-p sorts in numpy")."""
     if mx.default_device() == mx.cpu and x.dtype == mx.float32:
         return cpu_math.logsumexp(x)
     return mx.logsumexp(x, axis=-1, keepdims=True)
@@ -206,8 +206,9 @@ def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
     """mlx-lm's `apply_top_p`, bit for bit, with the sort done by numpy on the CPU.
 
     The rule reads only the sorted values, never their order among equals, so any
-    correct sort gives the same bits. MLX's CPU sort takes ~75 ms for a cycle's 16 rows
-    of 49,152 logprobs, numpy's ~5 (`benchmarks/README.md`); elsewhere MLX's is kept.
+    correct sort gives the same bits. MLX's CPU sort is slow for a cycle's rows and
+    numpy's is not (see benchmarks/README.md, "Sampled runs adapt too, and top-p sorts in
+    numpy"); elsewhere MLX's is kept.
     """
     if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
         return apply_top_p(logprobs, top_p)
@@ -248,9 +249,8 @@ def residual_sample(
 def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """Gumbel noise (vocab,) float32 at one sequence position of a reply: Philox keyed by
     (seed, position), so each position's noise is its own, drawn in any order. numpy's
-    exponentials (float64 ziggurat: exact tails) and vectorised float32 log: ~0.7 ms for
-    49,152 logits on this project's CPU, against ~2 ms for `mx.random.gumbel` (two
-    scalar MLX logs an element)."""
+    exponentials (float64 ziggurat: exact tails) and vectorised float32 log, cheaper on the
+    CPU than `mx.random.gumbel`'s two scalar MLX logs an element."""
     generator = np.random.Generator(np.random.Philox(key=(seed << 32) | position))
     return -np.log(generator.standard_exponential(vocab).astype(np.float32))
 

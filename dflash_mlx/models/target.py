@@ -291,8 +291,8 @@ class RestrictedHead:
 
     The rows are sliced once, so the matmul costs len(token_ids) / vocab of the
     full head's. Called, it scatters the logits back into full-vocabulary rows
-    of -inf (0.2 ms for 15 x 49k on a CPU; a gather through an inverse index
-    took 2.6 ms): the sampling code sees ordinary logits, and tokens outside get
+    of -inf (on a CPU much cheaper than a gather through an inverse index):
+    the sampling code sees ordinary logits, and tokens outside get
     probability 0, which keeps speculative sampling exact. `rows` gives the
     logits of `token_ids` alone, for code that only ranks them (a draft tree's
     top-k over 8k columns instead of 49k).

@@ -79,13 +79,13 @@ def top_candidates(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Each row's k most likely tokens and their log-probabilities, best first.
 
-    On the CPU: one read, then numpy (MLX's CPU argpartition and exp over a 49k
-    vocabulary took ~1.2 ms a row). On a GPU the k best columns and the rows'
-    normalisers are found on the device and only they are read: numpy over a
-    full 151,936-column vocabulary took ~14 ms per 15 rows on this project's
-    CPU, about what a GPU tree cycle spent beyond its forward (benchmarks/README.md,
-    "Verify forward on an H100"). `token_ids[j]` names column j when the logits
-    cover a draft vocabulary only (`RestrictedHead.rows`).
+    On the CPU: one read, then numpy, cheaper than MLX's CPU argpartition and exp
+    over a full vocabulary (benchmarks/README.md, "Why the host cannot run ahead on
+    MLX's CPU backend"). On a GPU the k best columns and the rows' normalisers are
+    found on the device and only they are read: numpy over a large vocabulary's
+    full rows cost about what a GPU tree cycle spent beyond its forward
+    (benchmarks/README.md, "Verify forward on an H100"). `token_ids[j]` names
+    column j when the logits cover a draft vocabulary only (`RestrictedHead.rows`).
     """
     k = min(k, logits.shape[-1])
     if mx.default_device() == mx.cpu:

@@ -1,8 +1,8 @@
 """The verify forward's attention on the CPU: several query positions over a long KV cache.
 
-Over 16 positions and 4k keys a SmolLM2 verify forward cost 2.7 one-position forwards, most of
-it in the attention softmaxes' exps, which MLX's CPU backend takes one element at a time (~7 ns
-each even through `cpu_math`'s compiled polynomial). `verify_attention.c` packs a KV head's
+Over many positions and a long KV cache a verify forward cost several one-position forwards,
+most of it in the attention softmaxes' exps, which MLX's CPU backend takes one element at a time
+(still dear through `cpu_math`'s compiled polynomial). `verify_attention.c` packs a KV head's
 group of query rows (its heads x positions) as the lanes of vectors, so the scores, the running
 maximum, the exps (`cpu_math`'s polynomial) and their sums run over whole vectors, and reads
 every key and value once for the group, a tile at a time (flash attention's rescaling), with

@@ -3,14 +3,14 @@ RMSNorm and RoPE compiled.
 
 MLX's x86 CPU build runs element-wise ops one element at a time, and its `exp`
 (also inside `sigmoid`, `softmax` and the SDPA fallback) calls libm's `fmaf`
-six times per element: 15-26 ns an element here, against well under 1 ns for a
-multiply (benchmarks/README.md, "What is left of the premium"). Over 16
-positions that is ~1.6 million exps a SmolLM2 forward, in the SwiGLUs and the
-attention softmaxes. Written as MLX ops (the same range reduction and Cephes
-polynomial, with the 2^n scale built from its exponent bits) and compiled, the
-exp fuses into a few loops the JIT compiler vectorises: ~7 ns an element, and
-within 1.4 units in the last place of the true value (MLX's own is off by up to
-~20 on large arguments).
+six times per element, many times a multiply's cost (benchmarks/README.md, "What
+is left of the premium: MLX's CPU `exp`"); a verify forward over many positions
+takes over a million exps, in the SwiGLUs and the attention softmaxes.
+Written as MLX ops (the same range reduction and Cephes polynomial, with the 2^n
+scale built from its exponent bits) and compiled, the exp fuses into a few loops
+the JIT compiler vectorises (benchmarks/README.md, "The exp in MLX ops:
+`cpu_math`"), and stays within 1.4 units in the last place of the true value
+(MLX's own is off by up to ~20 on large arguments).
 
 Only arguments ≤ 0 are needed (a softmax or log-sum-exp after subtracting the
 row maximum, a sigmoid through exp(-|x|)), so there is no overflow to handle; results
@@ -19,12 +19,11 @@ it, and when, is its callers' business (`models/target.py`'s verify forward,
 `decode/sampling.py`'s normalisations, `models/draft.py`'s block).
 
 MLX's CPU backend has no fused RMSNorm or RoPE: `mx.fast.rms_norm` and
-`mx.fast.rope` fall back to 8-20 small ops each (121 such calls per SmolLM2 forward),
-every op costing ~1-3.4 µs beyond its arithmetic. Compiled once per shape (the offset
-an array, so one trace serves every position), they fuse into a few loops: a forward
-over 1-16 positions got 3.3-6 ms cheaper (benchmarks/README.md, "Compiled norms and
-RoPE"), with the same bits. The RoPEs of one forward (60 in SmolLM2) share one table of
-cosines and sines (`shared_rope_tables`): 5 ops each instead of 13. `COMPILED_CLASSES`
+`mx.fast.rope` fall back to 8-20 small ops each, over a hundred such calls a forward,
+every op costing microseconds beyond its arithmetic. Compiled once per shape (the offset
+an array, so one trace serves every position), they fuse into a few loops with the same
+bits (benchmarks/README.md, "Compiled norms and RoPE"). The RoPEs of one forward share
+one table of cosines and sines (`shared_rope_tables`): 5 ops each instead of 13. `COMPILED_CLASSES`
 gives norm and RoPE modules a class that calls them, for callers to swap in per instance
 while they build a graph.
 """

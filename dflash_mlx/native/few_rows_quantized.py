@@ -1,8 +1,8 @@
 """Few-row products with MLX's affine 4- and 8-bit weights on the CPU, bit for bit MLX's own.
 
 MLX's CPU `quantized_matmul` is not batched over rows: a product over 16 rows costs 16 one-row
-products, so a verify forward of a model kept quantized cost ~14x one position
-(benchmarks/README.md, "Quantized models kept quantized"). `few_rows_qmm.c` reads each packed
+products, so a verify forward of a model kept quantized cost many times one position
+(benchmarks/README.md, "CPU: quantized models kept quantized"). `few_rows_qmm.c` reads each packed
 weight once for up to 32 rows (16 where the CPU has AVX but not AVX-512), and sums each row's
 terms in exactly the order and rounding of MLX's one-row product, so greedy output stays
 mlx-lm's token for token.

@@ -3,10 +3,9 @@
 Verify attention. A verify forward attends n (2..64) new positions over the cached context
 plus themselves. MLX's CUDA backend sends 4 or more bf16/fp16 queries to cuDNN's flash
 attention, whose graphs it caches by shape, and every cycle has more keys than
-the last. In side-by-side runs on an H100 (Qwen3-8B's shape) the cycles through
-cuDNN spent 4.9-6.2 ms on the host beyond their forwards, through this kernel
-0.3-1.1 ms; at a fixed shape both cost the same. This kernel is decoding's
-one-query-per-block scheme (one thread block per query row and head, warps
+the last, so its cycles spend host time that this kernel's do not; at a fixed shape
+both cost the same (benchmarks/README.md, "Verify forward on an H100"). This kernel is
+decoding's one-query-per-block scheme (one thread block per query row and head, warps
 striding over the keys with an online softmax, merged once at the end) run for
 every query of the block. Which of the n newest keys a query sees comes from
 a (n, n) visibility matrix: lower-triangular for a chain (causal), the ancestor
@@ -14,13 +13,11 @@ mask for a tree; every earlier key is visible. Keys and values are read through
 their strides, so a KV cache's slice of its buffer is not copied.
 
 Few-rows products. MLX multiplies one row by a weight matrix with its own GEMV and 2 or
-more rows with cuBLAS, which costs 1.4-2.5x the GEMV at 2-16 rows of Qwen3-8B's
-attention projections and sets up a cuBLAS plan on the host at every call. The few-rows
-kernel streams the weight once through tensor-core MMAs (m16n8k16, fp32 sums) for up to 16
-rows; verify and draft forwards on CUDA take it for their linear layers and LM heads
-(`FewRowsLinear`, `backends.block_swaps`). Interleaved on an H100 it made the 16-position verify
-forward and the drafter's forward 14-18 % cheaper (benchmarks/README.md, "The few-rows
-kernel on an H100").
+more rows with cuBLAS, which costs a multiple of the GEMV at a few rows and sets up a cuBLAS
+plan on the host at every call. The few-rows kernel streams the weight once through
+tensor-core MMAs (m16n8k16, fp32 sums) for up to 16 rows; verify and draft forwards on CUDA
+take it for their linear layers and LM heads (`FewRowsLinear`, `backends.block_swaps`), which
+it makes cheaper (benchmarks/README.md, "The few-rows kernel on an H100").
 
 Both run through `mx.fast.cuda_kernel`; `supports` and `few_rows_supports` say which inputs
 they take.
@@ -282,8 +279,8 @@ __device__ __forceinline__ void mma16816(
 }
 """
 
-# At 17-32 rows (a second tile) the kernel lost to cuBLAS in Qwen3-8B's MLP (75-95 against
-# 58-62 us a call on an H100), so it takes one tile's worth.
+# At 17-32 rows (a second tile) the kernel lost to cuBLAS in Qwen3-8B's MLP, so it takes one
+# tile's worth (benchmarks/README.md, "The few-rows kernel on an H100").
 FEW_ROWS_MAX = 16
 FEW_ROWS_DTYPES = (mx.float16, mx.bfloat16)
 FEW_ROWS_THREADS = 256

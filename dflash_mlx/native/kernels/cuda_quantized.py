@@ -2,8 +2,9 @@
 
 MLX's CUDA backend multiplies 1-7 rows by a 4- or 8-bit weight with its quantized GEMV (qmv),
 one pass over the weight per row, and 8 or more rows with a tensor-core kernel whose sums round
-differently. In a verify forward the first costs 1.7-3.4x a decoding step's product at 2-4 rows
-(Qwen3-8B's shapes on an H100), and the second breaks greedy identity with one-token decoding.
+differently. In a verify forward the first costs a multiple of a decoding step's product at 2-4
+rows (benchmarks/README.md, "The few-rows quantized kernel"), and the second breaks greedy
+identity with one-token decoding.
 This kernel reads each packed weight once for up to 16 rows and sums every row exactly as
 qmv (MLX 0.32's `quantized/qmm/qmv.cu`) sums one:
 
