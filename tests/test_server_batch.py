@@ -14,18 +14,15 @@ from dflash_mlx import GenerationSettings
 from dflash_mlx.serve import Worker
 
 
-def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
+def answer(port: int, prompt: str, max_tokens: int, **extra) -> dict:
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, **extra}).encode()
-    status, answer = post(port, "/v1/completions", body)
-    assert status == 200, answer
-    return answer["choices"][0]["text"]
-
-
-def answer(port: int, prompt: str, max_tokens: int) -> dict:
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode()
     status, reply = post(port, "/v1/completions", body)
     assert status == 200, reply
     return reply
+
+
+def completion(port: int, prompt: str, max_tokens: int, **extra) -> str:
+    return answer(port, prompt, max_tokens, **extra)["choices"][0]["text"]
 
 
 def test_a_seeded_sampled_reply_is_the_same_alone_and_beside_others(loaded):

@@ -341,18 +341,17 @@ def _verdict(row: Row, logits: mx.array, logq: mx.array | None, context: list[in
         row.choices = verifier.choices(logits, [first + depth for depth in row.tree.depths])
 
 
-def _computed(row: Row) -> list[mx.array]:
-    """What the device computes for the row ahead of `settle`."""
-    if row.tree is None:
-        return [row.drafts, row.verdict.accepted, row.verdict.token]
-    return [row.logits if row.choices is None else row.choices]
-
-
 def _read(row: Row) -> list[mx.array]:
     """What settling the row reads from the device."""
     if row.tree is None:
         return [row.drafts, row.verdict.accepted, row.verdict.token]
     return [] if row.choices is None else [row.choices]
+
+
+def _computed(row: Row) -> list[mx.array]:
+    """What the device computes for the row ahead of `settle`: what settling reads, or a
+    tree's logits where its choices are made during the walk."""
+    return _read(row) or [row.logits]
 
 
 def settle(
