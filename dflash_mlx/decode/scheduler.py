@@ -88,21 +88,22 @@ class ByWidth:
     def policy(self, reply: Reply, rows: int) -> Policy:
         """The policy that plans `reply`'s row in a cycle of `rows` rows."""
         own = reply.policy
-        if isinstance(own, FixedPlan):
-            fixed = own.fixed
-            if rows == 1 or not fixed.drafts or reply.state.proposer.drafting is None:
-                return own
-            budget = fixed.drafts if fixed.tree else 0
-            setting = ("fixed", fixed, reply.depth)
-            start: Policy = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
-        elif rows == 1:
+        if rows == 1:
             return own
-        else:
-            setting, start = own.setting, own
+        fixed = own.fixed if isinstance(own, FixedPlan) else None
+        if fixed is not None and (not fixed.drafts or reply.state.proposer.drafting is None):
+            return own
+        setting = own.setting if fixed is None else ("fixed", fixed, reply.depth)
         if (rows, setting) not in self.policies:
             widths = [width for width, known in self.policies if known == setting]
             nearest = min(widths, key=lambda width: abs(width - rows), default=None)
-            start = start if nearest is None else self.policies[nearest, setting]
+            if nearest is not None:
+                start = self.policies[nearest, setting]
+            elif fixed is not None:
+                budget = fixed.drafts if fixed.tree else 0
+                start = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
+            else:
+                start = own
             self.policies[rows, setting] = copy.deepcopy(start)
         return self.policies[rows, setting]
 
