@@ -231,9 +231,10 @@ class Batch:
         [(_, commit)] = cycle.settle(pending, reply.started, self._launch_next)
         return commit
 
-    def _launch_next(self, reply: Reply, token: mx.array) -> Pending:
-        """The reply's next cycle alone, on its token still on the device."""
-        return cycle.launch([(reply, token, reply.policy)])
+    @staticmethod
+    def _launch_next(reply: Reply, root: int | mx.array) -> Pending:
+        """The reply's next cycle alone, after `root` (a token maybe still on the device)."""
+        return cycle.launch([(reply, root, reply.policy)])
 
     def _prefill(self, reply: Reply) -> Commit:
         start = reply.state.prompt_cache.reuse(reply.prompt)
@@ -286,7 +287,7 @@ class Batch:
         self._each(self._launch_alone, alone)
 
     def _launch_alone(self, reply: Reply, root: int) -> None:
-        reply.pending = cycle.launch([(reply, root, reply.policy)])
+        reply.pending = self._launch_next(reply, root)
 
     @staticmethod
     def _shares(reply: Reply) -> bool:
