@@ -10,18 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-from .decode.adaptive import (
-    FIXED_CYCLE_COSTS,
-    FIXED_TREE_COSTS,
-    AdaptiveBlock,
-    AdaptiveStrategy,
-    AdaptiveTree,
-)
+from .decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .decode.prompt_cache import CACHE_SETTINGS
 from .decode.sampling import LogitsProcessor, Sampler, Verifier, make_verifier
+from .models.cycle_costs import FIXED_CYCLE_COSTS, FIXED_TREE_COSTS, backend
 from .models.distributed import world_group
 
 PREFILL_STEP = 2048  # prompt tokens per prefill forward by default, as mlx-lm's
@@ -150,8 +144,3 @@ def check_count(name: str, value: Any, least: int) -> None:
 def is_int(value: Any) -> bool:
     """Whether `value` is an int proper (not 4.0, not True)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def backend() -> str:
-    """The fixed cost tables' key for the default device."""
-    return "cpu" if mx.default_device() == mx.cpu else "gpu"

@@ -13,17 +13,9 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.decode.adaptive import (
-    FIXED_CYCLE_COSTS,
-    FIXED_TREE_COSTS,
-    AdaptiveBlock,
-    AdaptiveStrategy,
-    AdaptiveTree,
-    Cycle,
-    Plan,
-    interpolated_cost,
-)
+from dflash_mlx.decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle, Plan
 from dflash_mlx.decode.scheduler import ByWidth
+from dflash_mlx.models.cycle_costs import FIXED_CYCLE_COSTS, FIXED_TREE_COSTS, interpolated_cost
 
 
 def simulate(policy: AdaptiveBlock, rates: list[float], cost, cycles: int, seed: int = 0):

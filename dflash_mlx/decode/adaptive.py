@@ -29,7 +29,7 @@ measured as the loop runs:
 
 When sampling, which random draws a cycle consumes depends on its size, so a
 seeded run is reproducible only if the sizes do not depend on timing. There the
-policy costs the sizes from a fixed table for the backend (`FIXED_CYCLE_COSTS`,
+policy costs the sizes from a fixed table for the backend (`models/cycle_costs.py`,
 measured once and written down) instead of the clock: its choices follow the
 acceptance alone, and the same seed gives the same reply.
 
@@ -47,6 +47,8 @@ never changes the output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..models.cycle_costs import interpolated_cost
 
 
 @dataclass(frozen=True)
@@ -74,39 +76,10 @@ class Cycle:
     path: list[int] | None = None  # a tree's accepted path: node indices from the root
 
 
-# A cycle's cost by block size, relative to a plain step, for sampled runs (no timing).
-# CPU: SmolLM2-135M fp32 with OpenBLAS, the few-row kernel and the shipped drafter
-# (benchmarks/README.md, "Few-row products packed as columns").
-# GPU: the Qwen3-8B shape (bf16) on an H100 with the verify kernel, where a 2-position forward
-# is about as dear as a 16-position one (benchmarks/README.md, "Verify forward on an H100");
-# Metal is costed like it until measured.
-FIXED_CYCLE_COSTS = {
-    "cpu": {1: 1.0, 2: 1.15, 3: 1.15, 4: 1.15, 8: 1.2, 16: 1.35},
-    "gpu": {1: 1.0, 2: 2.4, 16: 2.6},
-}
-
-
 def block_ladder(max_block: int) -> list[int]:
     """Candidate block sizes: every size up to 6, then coarser steps, and `max_block`."""
     steps = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
     return sorted({n for n in steps if n < max_block} | {max_block})
-
-
-def interpolated_cost(seconds: dict[int, float], n: int) -> float | None:
-    """The cost of size n from those measured: its own, else linear between the nearest
-    measured sizes, proportional below the smallest, flat above the largest (None: none yet)."""
-    if n in seconds:
-        return seconds[n]
-    below = max((m for m in seconds if m < n), default=None)
-    above = min((m for m in seconds if m > n), default=None)
-    if below is None and above is None:
-        return None
-    if above is None:
-        return seconds[below]
-    if below is None:
-        return seconds[above] * n / above
-    share = (n - below) / (above - below)
-    return (1 - share) * seconds[below] + share * seconds[above]
 
 
 def running_average(seconds: dict[int, float], n: int, value: float, smoothing: float) -> None:
@@ -308,17 +281,6 @@ class AdaptiveTree:
             self.predicted = self.decay * self.predicted + sum(probabilities)
         if cycle.seconds is not None:
             running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
-
-
-# A tree cycle's cost by verified positions (budget + 1), relative to a plain step, for sampled
-# runs (no timing), measured as `FIXED_CYCLE_COSTS` were. CPU: trees with the prompt lookup
-# (benchmarks/README.md, "Trees and prompt lookup"). GPU: the Qwen3-8B shape on an H100
-# (benchmarks/README.md, "The few-rows kernel on an H100"), scaled so that the block-16 chain
-# measured beside them costs what `FIXED_CYCLE_COSTS["gpu"]` says.
-FIXED_TREE_COSTS = {
-    "cpu": {7: 1.23, 9: 1.26, 13: 1.35},
-    "gpu": {5: 2.68, 9: 3.1, 17: 3.29, 33: 3.43},
-}
 
 
 @dataclass

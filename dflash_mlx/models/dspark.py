@@ -45,7 +45,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..decode.adaptive import FIXED_CYCLE_COSTS, interpolated_cost
+from .cycle_costs import FIXED_CYCLE_COSTS, backend, interpolated_cost
 from .draft import (
     MLP,
     BlockContext,
@@ -302,11 +302,6 @@ def confident_length(confidence: list[float], cost: Callable[[int], float]) -> i
     return keep
 
 
-def backend_costs() -> dict[int, float]:
-    """A cycle's cost by verified positions on this backend (`adaptive.FIXED_CYCLE_COSTS`)."""
-    return FIXED_CYCLE_COSTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
-
-
 def geglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * x
 
@@ -362,7 +357,7 @@ class DSparkDraft(DFlashDraft):
     chain by the confidence head; `trees` grows the tree the Markov walk would sample.
 
     `verify_cost(n)`, a cycle's cost when it verifies n positions (by default this
-    backend's `adaptive.FIXED_CYCLE_COSTS`), drives the confidence truncation; None
+    backend's `cycle_costs.FIXED_CYCLE_COSTS`), drives the confidence truncation; None
     verifies every draft asked for.
     """
 
@@ -394,7 +389,7 @@ class DSparkDraft(DFlashDraft):
             self.confidence_head = ConfidenceHead(features)
         self.verify_cost: Callable[[int], float] | None = None
         if cfg.confidence_head:
-            self.verify_cost = partial(interpolated_cost, backend_costs())
+            self.verify_cost = partial(interpolated_cost, FIXED_CYCLE_COSTS[backend()])
 
     def slot_hidden(
         self, blocks: mx.array, embed: Callable[[mx.array], mx.array], caches: list
