@@ -13,7 +13,15 @@ from helpers import reference_greedy
 from test_generate import OracleDraft, run
 
 import dflash_mlx
-from dflash_mlx.decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree, Cycle, Plan
+from dflash_mlx.decode.adaptive import (
+    SHARED_POSITION_SHARE,
+    AdaptiveBlock,
+    AdaptiveStrategy,
+    AdaptiveTree,
+    Cycle,
+    Plan,
+    for_rows,
+)
 from dflash_mlx.decode.scheduler import ByWidth
 from dflash_mlx.models.cycle_costs import FIXED_CYCLE_COSTS, FIXED_TREE_COSTS, interpolated_cost
 
@@ -622,3 +630,22 @@ def test_explicit_settings_keep_their_meaning(loaded):
             model, draft, tokenizer, prompt, max_tokens=12, prompt_cache=cache, **setting
         )
         assert cache.block_policy is None  # fixed
+
+
+def test_a_shared_width_measures_its_costs_from_a_plain_cycle_up():
+    """A reply's strategy learned alone, where a long chain costs little more than a step,
+    copied for cycles of four rows: the copy keeps the acceptance but not the costs, starts
+    with a plain cycle, then costs untried sizes from it as dearer per position, so it does
+    not play the largest arms blind (a 4 x 17 forward costs several steps here)."""
+    own = AdaptiveStrategy(16, tree_budget=16)
+    for _ in range(12):
+        own.record(Cycle(15, 2, 1.3))  # alone: chains of 16 cost 1.3 and commit 3 tokens
+    shared = for_rows(own, 4)
+    assert shared.rows == 4 and own.rows == 1 and own.seconds[False] == {16: pytest.approx(1.3)}
+    assert shared.expected_tokens(Plan(15)) == own.expected_tokens(Plan(15))
+    assert shared.plan() == Plan(0)  # nothing measured at four rows: a plain cycle first
+    shared.record(Cycle(0, 0, 2.0))
+    assert shared.cost(Plan(15)) == pytest.approx(2.0 * (1 + SHARED_POSITION_SHARE * 4 * 15))
+    plan = shared.plan()  # trees never measured: the one expected to pay most, not the largest
+    assert plan.tree and plan.drafts < 4
+    assert for_rows(own, 1).plan() == own.plan()  # a reply's own cycles: unchanged

@@ -238,3 +238,26 @@ def test_a_reply_closed_with_a_cycle_launched_keeps_its_caches_whole(loaded, set
     reply.close()
     assert {c.offset for c in cache.target} == {len(cache.tokens)}
     assert {c.offset for c in cache.draft} == {len(cache.tokens)}
+
+
+def test_the_rows_one_policy_plans_share_one_plan_per_cycle(loaded, launched):
+    """A shared cycle asks each of its policies for one plan, which all its rows take (a
+    probe of a larger size is the cycle's, measured at the size the cycle verified)."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    batch = make_batch(model, draft)
+    plans = []
+
+    class Counted(FixedPlan):
+        def plan(self) -> Plan:
+            plans.append(self.fixed)
+            return self.fixed
+
+    shared = Counted(Plan(1))
+    batch.widths.policy = lambda reply, rows: shared
+    generators = {
+        i: stream_generate(model, draft, no_eos(tokenizer), p, max_tokens=12, batch=batch)
+        for i, p in enumerate(prompts(3))
+    }
+    interleave(generators)
+    shared_cycles = [rows for rows, _, _ in launched if rows > 1]
+    assert len(plans) == len(shared_cycles) > 2

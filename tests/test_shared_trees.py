@@ -80,8 +80,8 @@ def test_a_fixed_tree_budget_is_costed_for_shared_cycles(loaded, launched):
         for i, text in enumerate(texts)
     }
     assert interleave(generators) == expected(model, texts)
-    [(key, policy)] = batch.widths.policies.items()
-    assert key[0] == 4 and policy.trees_measured  # trees tried at four rows, and costed
+    by_rows = {rows: policy for (rows, _), policy in batch.widths.policies.items()}
+    assert by_rows[4].trees_measured  # trees tried at four rows, and costed
 
 
 def test_shared_dflash2_selector_trees(dflash2_pair, loaded, launched):  # noqa: F811

@@ -46,7 +46,9 @@ never changes the output.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..models.cycle_costs import interpolated_cost
 
@@ -76,10 +78,52 @@ class Cycle:
     path: list[int] | None = None  # a tree's accepted path: node indices from the root
 
 
+# What one more verified position of one row adds to a shared cycle's cost, as a share of
+# the cost of the smallest size measured there: the prior of a size not measured yet in cycles
+# of several rows (a reply's own cycles interpolate between measured sizes instead). This CPU:
+# 0.04-0.06 (benchmarks/README.md, "What a shared forward costs"); where positions are nearly
+# free (a GPU), measuring a larger size replaces the prior.
+SHARED_POSITION_SHARE = 0.05
+
+
 def block_ladder(max_block: int) -> list[int]:
     """Candidate block sizes: every size up to 6, then coarser steps, and `max_block`."""
     steps = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
     return sorted({n for n in steps if n < max_block} | {max_block})
+
+
+def shared_cost(seconds: dict[int, float], n: int, rows: int) -> float | None:
+    """The cost of size n in cycles of `rows` rows, from the sizes measured there: as
+    `interpolated_cost`, but with several rows a size above the largest measured is not
+    taken for as cheap as it (each position is verified for every row): the costs are
+    extended along the slope between the two largest drafted sizes measured, or, before
+    there are two, `SHARED_POSITION_SHARE` of the smallest's cost per position."""
+    cost = interpolated_cost(seconds, n)
+    if rows == 1 or not seconds or n <= max(seconds):
+        return cost
+    largest = max(seconds)
+    drafted = sorted(m for m in seconds if m > 1)
+    if len(drafted) >= 2:
+        a, b = drafted[-2:]
+        slope = max((seconds[b] - seconds[a]) / (b - a), 0.0)
+    else:
+        slope = SHARED_POSITION_SHARE * rows * seconds[min(seconds)]
+    return seconds[largest] + slope * (n - largest)
+
+
+P = TypeVar("P", "AdaptiveBlock", "AdaptiveTree", "AdaptiveStrategy")
+
+
+def for_rows(policy: P, rows: int) -> P:
+    """A copy of `policy` for cycles of `rows` rows (a batch's shared cycles): what it learned
+    of acceptance holds there, but not what cycles cost (each position costs more the more
+    rows share it), so a timed policy measures the costs anew, from its smallest plan up."""
+    copied = copy.deepcopy(policy)
+    if copied.rows != rows:
+        copied.rows = rows
+        if copied.timed:
+            copied.seconds = {False: {}, True: {}} if isinstance(copied, AdaptiveStrategy) else {}
+    return copied
 
 
 def running_average(seconds: dict[int, float], n: int, value: float, smoothing: float) -> None:
@@ -98,6 +142,7 @@ class AdaptiveBlock:
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while block 1 is best
     fixed_costs: dict[int, float] | None = None  # costs by size instead of timings (sampling)
+    rows: int = 1  # the rows of the cycles it plans (several: a batch's shared cycles)
     sizes: list[int] = field(init=False)
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
@@ -139,7 +184,7 @@ class AdaptiveBlock:
 
     def cost(self, n: int) -> float | None:
         """c(n) in seconds: measured, or interpolated from the nearest measured sizes."""
-        return interpolated_cost(self.seconds, n)
+        return shared_cost(self.seconds, n, self.rows)
 
     def best(self) -> int:
         rates = self.acceptance_rates()
@@ -155,8 +200,8 @@ class AdaptiveBlock:
         return Plan(self.next_block_size() - 1)
 
     def next_block_size(self) -> int:
-        if not self.seconds:
-            return self.block_size  # nothing measured yet: draft as configured
+        if not self.seconds:  # nothing measured yet: draft as configured, or plainly first
+            return self.block_size if self.rows == 1 else 1  # when each position costs more
         best = self.best()
         if best != self.last_best:
             self.last_best, self.probe_gap = best, self.min_probe_gap
@@ -216,6 +261,8 @@ class AdaptiveTree:
     accepted: float = 1.0  # decayed drafts accepted and predicted: a prior s = 1
     predicted: float = 1.0
     seconds: dict[int, float] = field(default_factory=dict)  # by verified positions, b + 1
+    rows: int = 1  # the rows of the cycles it plans (several: a batch's shared cycles)
+    timed = True  # costed by the clock
     sizes: list[int] = field(init=False)
     probe_gap: int = 0
     skipping: int = 0  # plain steps left before the next drafted cycle
@@ -256,11 +303,11 @@ class AdaptiveTree:
 
     def budget(self, probabilities: list[float]) -> int:
         """The drafted cycle's tree size for nodes of these path probabilities, best first."""
-        if not self.seconds:
-            return len(probabilities)  # nothing measured yet: the largest tree
+        if not self.seconds:  # nothing measured yet: the largest tree, or the smallest first
+            return len(probabilities) if self.rows == 1 else min(len(probabilities), 1)
         expected = self.expected_tokens(probabilities)
         sizes = [n for n in self.sizes if n <= len(expected)]
-        rate = {n: expected[n - 1] / interpolated_cost(self.seconds, n) for n in sizes}
+        rate = {n: expected[n - 1] / shared_cost(self.seconds, n, self.rows) for n in sizes}
         best = max(sizes, key=rate.__getitem__)
         if best > 1:
             self.probe_gap = self.min_probe_gap
@@ -317,6 +364,7 @@ class AdaptiveStrategy:
     explore: int = 4  # first cycles: the full chain and the largest tree, this many each
     stale: float = 1.0  # the other kind's weight below which its largest arm is played again
     fixed_costs: tuple[dict[int, float], dict[int, float]] | None = None
+    rows: int = 1  # the rows of the cycles it plans (several: a batch's shared cycles)
     tokens: dict[Plan, float] = field(default_factory=dict)  # decayed sums by arm
     weight: dict[Plan, float] = field(default_factory=dict)
     seconds: dict[bool, dict[int, float]] = field(default_factory=dict)  # by kind, positions
@@ -362,25 +410,37 @@ class AdaptiveStrategy:
 
     def cost(self, plan: Plan) -> float:
         """c in seconds (or steps, with fixed costs)."""
-        chain = interpolated_cost(self.seconds[False], plan.drafts + 1)
+        chain = shared_cost(self.seconds[False], plan.drafts + 1, self.rows)
         if plan.tree and self.seconds[True]:
-            return max(interpolated_cost(self.seconds[True], plan.drafts + 1), chain)
+            return max(shared_cost(self.seconds[True], plan.drafts + 1, self.rows), chain)
         return chain
 
+    def rate(self, plan: Plan) -> float:
+        """E / c: tokens a cycle of this plan is expected to commit per second."""
+        return self.expected_tokens(plan) / self.cost(plan)
+
     def best(self) -> Plan:
-        return max(self.arms(), key=lambda p: self.expected_tokens(p) / self.cost(p))
+        return max(self.arms(), key=self.rate)
 
     def plan(self) -> Plan:
-        """What the next cycle verifies."""
+        """What the next cycle verifies. A reply's own cycles first explore the largest arms
+        of each kind; shared cycles (`rows` > 1), where each position costs more, start
+        from a plain cycle and grow from the smallest arms."""
         chains, trees = self.arms(False), self.arms(True)
-        if self.cycles < 2 * self.explore and trees:
+        if self.rows > 1:
+            if not self.seconds[False]:
+                return chains[0]
+        elif self.cycles < 2 * self.explore and trees:
             return (trees, chains)[self.cycles % 2][-1]
         if not self.seconds[False]:
             return chains[-1]
         best = self.best()
         other = chains if best.tree else trees
         if other and self.weight.get(other[1], 0.0) < self.stale:
-            return other[-1]  # what is known of the other kind is old: measure it again
+            # what is known of the other kind is old: measure it again (shared cycles: its
+            # arm expected to pay most, not its largest, the dearest there)
+            drafting = [p for p in other if p.drafts]
+            return other[-1] if self.rows == 1 else max(drafting, key=self.rate)
         if best != self.last_best:
             self.last_best, self.probe_gap = best, self.min_probe_gap
         if self.cycles < self.next_probe:

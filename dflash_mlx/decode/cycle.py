@@ -186,7 +186,11 @@ def launch(rows: list[tuple[Reply, int | mx.array, Policy]]) -> Pending:
     for every row (each through its own caches), verdicts. A failure is raised with every
     reply back where it stood (`Mark`). A lone reply whose target refuses its first tree
     forward (`TargetAdapter.check_tree` could not tell) chains from then on."""
-    plans = [policy.plan() for _, _, policy in rows]
+    planned: dict[int, Plan] = {}  # the rows one policy plans share its one plan
+    for _, _, policy in rows:
+        if id(policy) not in planned:
+            planned[id(policy)] = policy.plan()
+    plans = [planned[id(policy)] for _, _, policy in rows]
     marks = [Mark.of(reply.state) for reply, _, _ in rows]
     try:
         with put_back_on_failure([reply for reply, _, _ in rows], marks):

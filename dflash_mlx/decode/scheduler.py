@@ -16,7 +16,6 @@ batch of one (`replies`). The loop knows nothing of text, time or what proposes 
 
 from __future__ import annotations
 
-import copy
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ from ..models.draft import DFlashDraft
 from ..models.rows import batchable
 from ..models.target import TargetAdapter
 from . import cycle, proposers
-from .adaptive import AdaptiveStrategy
+from .adaptive import AdaptiveStrategy, for_rows
 from .cycle import Commit, Pending, Reply
 from .plan import FixedPlan, Policy
 
@@ -78,10 +77,11 @@ class ByWidth:
     """The policies of a batch's shared cycles, by number of rows and what they were made
     for. A cycle of several rows costs more per position than a reply's own, so its shape
     is chosen by measured cost for that many rows even where a reply's own is fixed: an
-    adaptive reply's width starts as a copy of its policy (what it learned alone, or at the
-    nearest width measured), a fixed chain or tree as an `AdaptiveStrategy` up to it (chains
-    up to its depth, trees up to its budget); each then measures its own cycles. A reply
-    that drafts nothing, or has no drafter to draft chains with, keeps its own plan."""
+    adaptive reply's width starts from its policy (what it learned alone, or at the nearest
+    width measured), a fixed chain or tree from an `AdaptiveStrategy` up to it (chains and
+    trees of at most as many drafts); each keeps what was learned of acceptance and measures
+    the costs of its own cycles (`adaptive.for_rows`). A reply that drafts nothing, or has
+    no drafter to draft chains with, keeps its own plan."""
 
     policies: dict[tuple[int, tuple], Policy] = field(default_factory=dict)
 
@@ -101,10 +101,10 @@ class ByWidth:
                 start = self.policies[nearest, setting]
             elif fixed is not None:
                 budget = fixed.drafts if fixed.tree else 0
-                start = AdaptiveStrategy(reply.depth + 1, tree_budget=budget)
+                start = AdaptiveStrategy(min(reply.depth, fixed.drafts) + 1, tree_budget=budget)
             else:
                 start = own
-            self.policies[rows, setting] = copy.deepcopy(start)
+            self.policies[rows, setting] = for_rows(start, rows)
         return self.policies[rows, setting]
 
 
