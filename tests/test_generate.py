@@ -128,9 +128,10 @@ def test_eos_inside_a_block_stops_there(eos_run):
 
 def test_plain_steps_queue_the_next_one_before_the_token_is_read(eos_run, monkeypatch):
     """At block 1 each step is queued on the last one's token before the host reads it, as
-    mlx-lm decodes: a reply ended by EOS costs one forward more than it has tokens after the
-    first, whose position is dropped again, so the caches hold what `tokens` lists and the
-    next turn reuses them losslessly; one cut by max_tokens costs no extra forward."""
+    mlx-lm decodes: a reply ended by EOS costs one forward more than it has tokens (the
+    first token's included), whose position is dropped again, so the caches hold what
+    `tokens` lists and the next turn reuses them losslessly; one cut by max_tokens costs no
+    extra forward."""
     model, tokenizer, draft, prompt, free_run, eos = eos_run
     stop = free_run.index(eos)
     forwards = []
@@ -147,7 +148,7 @@ def test_plain_steps_queue_the_next_one_before_the_token_is_read(eos_run, monkey
         model, draft, tokenizer, prompt, block_size=1, max_tokens=80, prompt_cache=cache
     )
     assert tokens == free_run[: stop + 1]
-    assert len(forwards) == len(tokens)  # the last one queued on the EOS, then dropped
+    assert len(forwards) == len(tokens) + 1  # the last one queued on the EOS, then dropped
     assert cache.target[0].offset == cache.draft[0].offset == len(cache.tokens)
     assert cache.tokens == prompt + tokens[:-1]
 
@@ -158,7 +159,7 @@ def test_plain_steps_queue_the_next_one_before_the_token_is_read(eos_run, monkey
         model, draft, tokenizer, second, block_size=1, max_tokens=12, prompt_cache=cache
     )
     assert tokens == expected and len(tokens) == 12
-    assert len(forwards) == 11
+    assert len(forwards) == 12
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 17, 37])

@@ -95,6 +95,7 @@ class Reply:
     depth: int = 0  # how deep a tree may go (the drafter's block size - 1)
     max_drafts: int | None = None  # a cap on the drafts of a shared cycle (None: the plan's)
     prefill_step_size: int = PREFILL_STEP
+    prefilled: int = 0  # prompt positions its prefill and first cycle run
     # mlx-lm's prompt_progress_callback(processed, total), called as the prompt is prefilled
     prompt_progress: Callable[[int, int], None] | None = None
     commits: deque[Commit] = field(default_factory=deque)
@@ -105,7 +106,14 @@ class Reply:
 
     @property
     def remaining(self) -> int:
-        return self.max_tokens - self.generated
+        """Tokens it may still commit after its root: its caches hold its prompt and every
+        token of its reply but the root, also while the root's own step is on the device."""
+        return self.max_tokens - (len(self.state.tokens) + 1 - len(self.prompt))
+
+    @property
+    def prompt_pending(self) -> bool:
+        """Whether its prompt's last token is still to run (by its first cycle)."""
+        return len(self.state.tokens) < len(self.prompt)
 
 
 @dataclass

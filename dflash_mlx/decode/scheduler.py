@@ -30,46 +30,37 @@ from ..models.draft import DFlashDraft
 from ..models.rows import batchable
 from ..models.target import TargetAdapter
 from . import cycle, proposers
-from .adaptive import AdaptiveStrategy, for_rows
+from .adaptive import AdaptiveStrategy, Plan, for_rows
 from .cycle import Commit, Pending, Reply
 from .plan import FixedPlan, Policy
 
 T = TypeVar("T")
 
 
-def prefill(reply: Reply, start: int) -> Commit:
-    """Run the reply's prompt from `start` through the target (the proposer observing every
-    position) and commit the target's choice after it, telling `prompt_progress` how much
-    of it has run as mlx-lm does: 0 first, after each chunk, all once the token is read."""
+def prefill(reply: Reply, start: int) -> None:
+    """Run the reply's prompt from `start` through the target but for its last token (the
+    proposer observing every position), in chunks whose logits are never computed, telling
+    `prompt_progress` how much of it has run as mlx-lm does: 0 first, then after each
+    chunk. As in mlx-lm's batched decoding, the last token is the root of the reply's first
+    cycle (`FIRST`), which may be shared, so a reply joining a batch costs its rows a
+    position, not a forward of its own; its commit is the target's token after the prompt."""
     state, prompt, step = reply.state, reply.prompt, reply.prefill_step_size
     every_cache = state.cache + state.prompt_cache.draft
     progress = reply.prompt_progress or (lambda processed, total: None)
-    total = len(prompt) - start
-    progress(0, total)
-    # All but the last prompt token in chunks whose logits are never computed; then the
-    # last one alone, as mlx-lm does: the LM head never sees more than one row.
-    for chunk_start in range(start, len(prompt) - 1, step):
-        chunk_end = min(chunk_start + step, len(prompt) - 1)
-        _prefill_chunk(reply, prompt[chunk_start:chunk_end])
-        mx.eval([c.state for c in every_cache])
-        progress(chunk_end - start, total)
-    logits = _prefill_chunk(reply, prompt[-1:])
-    state.verifier.at(len(prompt), state.target.vocab_size)
-    first = state.verifier.verify(cycle.NONE, None, logits[0, -1:], prompt)
-    token = first.token.item()
-    progress(total, total)
-    return Commit([token], first.logits, prefilled=total)
-
-
-def _prefill_chunk(reply: Reply, tokens: list[int]) -> mx.array:
-    """Prompt `tokens` through the target, their features handed to the proposer; the
-    logits (1, n, vocab), computed only if read."""
-    state = reply.state
+    reply.prefilled = len(prompt) - start
+    progress(0, reply.prefilled)
     taps = state.proposer.layer_ids
-    forward = state.target.forward(mx.array(tokens)[None], [state.cache], taps=taps, prompt=True)
-    if taps:
-        proposers.observe([state.proposer], forward.features, [len(tokens)])
-    return forward.logits
+    for chunk_start in range(start, len(prompt) - 1, step):
+        chunk = prompt[chunk_start : min(chunk_start + step, len(prompt) - 1)]
+        forward = state.target.forward(mx.array(chunk)[None], [state.cache], taps=taps, prompt=True)
+        if taps:
+            proposers.observe([state.proposer], forward.features, [len(chunk)])
+        mx.eval([c.state for c in every_cache])
+        progress(chunk_start + len(chunk) - start, reply.prefilled)
+    state.prompt_cache.tokens = prompt[:-1]
+
+
+FIRST = FixedPlan(Plan(0))  # a reply's first cycle: the target's token after its prompt
 
 
 @dataclass
@@ -185,16 +176,20 @@ class Batch:
         admitted = self.prompt_concurrency or len(self.joining)
         joining, self.joining = self.joining[:admitted], self.joining[admitted:]
         self.replies += joining
-        committed += self._each(self._prefill, [(reply,) for reply in joining])
+        prefilled = self._each(self._prefill, [(reply,) for reply in joining])
         now = time.perf_counter()
-        going_on = []
+        going_on = []  # (reply, root, its next cycle if launched already)
         for reply, commit in self._each(self._finish, committed):
             reply.commits.append(commit)
             reply.started = now
             if commit.finish:
                 self.remove(reply)
             else:
-                going_on.append((reply, commit))
+                going_on.append((reply, commit.tokens[-1], commit.queued))
+                commit.queued = None
+        for reply, _ in prefilled:
+            reply.started = now
+            going_on.append((reply, reply.prompt[-1], None))
         self._launch(going_on)
 
     def _each(self, work: Callable[..., T], calls: list[tuple]) -> list[tuple[Reply, T]]:
@@ -234,16 +229,18 @@ class Batch:
     @staticmethod
     def _launch_next(reply: Reply, root: int | mx.array) -> Pending:
         """The reply's next cycle alone, after `root` (a token maybe still on the device)."""
-        return cycle.launch([(reply, root, reply.policy)])
+        return cycle.launch([(reply, root, FIRST if reply.prompt_pending else reply.policy)])
 
-    def _prefill(self, reply: Reply) -> Commit:
-        start = reply.state.prompt_cache.reuse(reply.prompt)
-        commit = prefill(reply, start)
-        reply.state.prompt_cache.tokens = list(reply.prompt)
-        return commit
+    def _prefill(self, reply: Reply) -> None:
+        prefill(reply, reply.state.prompt_cache.reuse(reply.prompt))
 
     def _finish(self, reply: Reply, commit: Commit) -> Commit:
-        """`commit`, ending the reply at an EOS token (kept) or at its token limit."""
+        """`commit`, ending the reply at an EOS token (kept) or at its token limit; the first
+        says how much of the prompt its reply's prefill ran, as `prompt_progress` does."""
+        if not reply.generated:
+            commit.prefilled = reply.prefilled
+            if reply.prompt_progress:
+                reply.prompt_progress(reply.prefilled, reply.prefilled)
         stop = next((i for i, t in enumerate(commit.tokens) if t in reply.eos), None)
         if stop is not None:
             commit.tokens, commit.logits = commit.tokens[: stop + 1], commit.logits[: stop + 1]
@@ -259,31 +256,30 @@ class Batch:
             reply.state.proposer.committed(commit.tokens)
         return commit
 
-    def _launch(self, going_on: list[tuple[Reply, Commit]]) -> None:
-        """The next cycle of every reply going on: one cycle shared by those that may share
-        (`_shares`) when there are several, each of the others its own (a queued one
-        launched already). Where the shared one fails to launch, its replies are back where
-        they stood and each launches alone."""
-        sharing = [(r, c) for r, c in going_on if self._shares(r)]
+    def _launch(self, going_on: list[tuple[Reply, int, Pending | None]]) -> None:
+        """The next cycle of every reply going on, after its root: one cycle shared by those
+        that may share (`_shares`) when there are several, each of the others its own (a
+        queued one launched already). Where the shared one fails to launch, its replies are
+        back where they stood and each launches alone."""
+        sharing = [(r, root, queued) for r, root, queued in going_on if self._shares(r)]
         alone = []
         if len(sharing) > 1:
             rows = []
-            for reply, commit in sharing:
-                if commit.queued:
-                    cycle.drop(commit.queued, reply)
-                    commit.queued = None
+            for reply, root, queued in sharing:
+                if queued:
+                    cycle.drop(queued, reply)
                 policy = self.widths.policy(reply, len(sharing))
-                rows.append((reply, commit.tokens[-1], policy))
+                rows.append((reply, root, FIRST if reply.prompt_pending else policy))
             try:
                 self.shared = cycle.launch(rows)
             except Exception:
                 alone = [(reply, root) for reply, root, _ in rows]
-            going_on = [(r, c) for r, c in going_on if (r, c) not in sharing]
-        for reply, commit in going_on:
-            if commit.queued:  # launched as its cycle settled
-                reply.pending, commit.queued = commit.queued, None
+            going_on = [row for row in going_on if row not in sharing]
+        for reply, root, queued in going_on:
+            if queued:  # launched as its cycle settled
+                reply.pending = queued
             else:
-                alone.append((reply, commit.tokens[-1]))
+                alone.append((reply, root))
         self._each(self._launch_alone, alone)
 
     def _launch_alone(self, reply: Reply, root: int) -> None:
