@@ -116,13 +116,14 @@ P = TypeVar("P", "AdaptiveBlock", "AdaptiveTree", "AdaptiveStrategy")
 
 def for_rows(policy: P, rows: int) -> P:
     """A copy of `policy` for cycles of `rows` rows (a batch's shared cycles): what it learned
-    of acceptance holds there, but not what cycles cost (each position costs more the more
-    rows share it), so a timed policy measures the costs anew, from its smallest plan up."""
+    of acceptance holds there. What a reply's own cycles cost does not (each position costs
+    more the more rows share it), so a timed policy copied from one measures the costs anew,
+    from its smallest plan up; a nearby width's costs are a fair start, measured again as
+    cycles come."""
     copied = copy.deepcopy(policy)
-    if copied.rows != rows:
-        copied.rows = rows
-        if copied.timed:
-            copied.seconds = {False: {}, True: {}} if isinstance(copied, AdaptiveStrategy) else {}
+    if copied.rows == 1 and rows > 1 and copied.timed:
+        copied.seconds = {False: {}, True: {}} if isinstance(copied, AdaptiveStrategy) else {}
+    copied.rows = rows
     return copied
 
 
