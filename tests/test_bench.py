@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from helpers import reference_greedy
+from test_cli import dflash_in_process
 from test_generate import OracleDraft
 
 from dflash_mlx.chat_format import render
@@ -77,8 +78,8 @@ def test_bench_with_the_default_adaptive_block_size(make_pair, tmp_path):
     prompts = tmp_path / "small.json"
     prompts.write_text(json.dumps(PROMPTS))
     out = tmp_path / "x.json"
-    args = ["--model", str(target), "--draft", str(draft), "--max-tokens", "24", "--no-split"]
-    proc = run_cli(*args, "--prompts", str(prompts), "--out", str(out))
+    args = f"--model {target} --draft {draft} --max-tokens 24 --no-split --prompts {prompts}"
+    proc = dflash_in_process(f"bench {args} --out {out}")
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())
     assert results["overall"]["identical"] == 3
@@ -89,7 +90,7 @@ def test_bench_with_the_default_adaptive_block_size(make_pair, tmp_path):
 
 
 def test_bench_rejects_bad_options_cleanly(tmp_path):
-    proc = run_cli("--max-tokens", "0", "--out", str(tmp_path / "x.json"))
+    proc = dflash_in_process(f"bench --max-tokens 0 --out {tmp_path / 'x.json'}")
     assert proc.returncode == 1
     assert proc.stderr.strip() == "dflash-mlx bench: error: --max-tokens must be at least 1, got 0"
 

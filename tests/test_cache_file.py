@@ -4,10 +4,8 @@ the whole prompt, for every kind of cache the targets use and with mlx-lm's cach
 (the file's own); a file made for another target or drafter, or altered in any field, is
 refused in one line; a killed `cache-prompt` leaves nothing behind after the next."""
 
-import io
 import json
 import os
-import shlex
 import subprocess
 from functools import partial
 from itertools import takewhile
@@ -19,7 +17,7 @@ import test_kv_cache_options
 from helpers import reference_greedy
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
-from test_cli import decode_greedy, detokenized, dflash
+from test_cli import decode_greedy, detokenized, dflash, dflash_in_process
 from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
 from tqdm import tqdm
@@ -163,21 +161,15 @@ def continued_ids(wrapper, document: str, question: str) -> tuple[list[int], lis
     return ids, wrapper.encode(suffix, add_special_tokens=False)
 
 
-def refusal(argv: str, stdin: str, monkeypatch, capsys) -> str:
+def refusal(argv: str, stdin: str) -> str:
     """The last line `dflash-mlx ARGV` (`stdin` its input) writes as it exits with status 1,
     run in this process: a one-line error, no traceback."""
-    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(shlex.split(argv))
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 1 and "Traceback" not in err, err
-    return err.strip().splitlines()[-1]
+    out = dflash_in_process(argv, stdin)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    return out.stderr.strip().splitlines()[-1]
 
 
-def test_cache_prompt_then_generate_goes_on_from_it(
-    make_pair, loaded, tmp_path, monkeypatch, capsys
-):
+def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path):
     target, draft = make_pair("llama-tied-gqa")
     _, wrapper, _ = loaded("llama-tied-gqa")
     path = tmp_path / "doc.safetensors"
@@ -196,7 +188,7 @@ def test_cache_prompt_then_generate_goes_on_from_it(
     assert json.loads(out.stdout)["text"] == expected
     other, _ = make_pair("qwen3-tied-gqa")
     argv = f"generate --model {other} --no-draft --prompt-cache-file {path}"
-    assert refusal(argv, TEXT_QUESTION, monkeypatch, capsys) == (
+    assert refusal(argv, TEXT_QUESTION) == (
         f"dflash-mlx generate: error: {path} was made for another target model (or another dtype)"
     )
 
@@ -212,16 +204,18 @@ KV_FLAGS = {  # mlx-lm's cache flags, and the options they set
 
 @pytest.mark.parametrize("case", list(KV_FLAGS))
 def test_cache_prompt_takes_the_kv_cache_flags_and_generate_goes_on_with_them(
-    make_pair, loaded, tmp_path, case, monkeypatch, capsys
+    make_pair, loaded, tmp_path, case
 ):
     flags, options = KV_FLAGS[case]
     target, draft = make_pair("qwen3-untied-mha")  # head_dim 32: keys quantize in groups of 32
     model, wrapper, _ = loaded("qwen3-untied-mha")
     path = tmp_path / "doc.safetensors"
     cache_file = f"--model {target} --draft {draft} --prompt-cache-file {path}"
-    made = dflash(f"cache-prompt {cache_file} {flags}", TEXT_DOCUMENT)
+    make = f"cache-prompt {cache_file} {flags}"
+    made = dflash_in_process(make, TEXT_DOCUMENT)
     assert made.returncode == 0, made.stderr
-    out = dflash(f"generate {cache_file} --json -m 16", TEXT_QUESTION)  # the file's options
+    generate = f"generate {cache_file} --json -m 16"  # the file's options
+    out = dflash_in_process(generate, TEXT_QUESTION)
     assert out.returncode == 0, out.stderr
     cached_ids, rest = continued_ids(wrapper, TEXT_DOCUMENT, TEXT_QUESTION)
     assert len(cached_ids) > 12  # quantized, or past the window, before the question
@@ -229,7 +223,7 @@ def test_cache_prompt_takes_the_kv_cache_flags_and_generate_goes_on_with_them(
     reply = list(takewhile(lambda t: t not in wrapper.eos_token_ids, tokens))
     assert json.loads(out.stdout)["text"] == detokenized(wrapper, reply)
     argv = f"generate {cache_file} --kv-bits 8 -m 4"
-    assert refusal(argv, TEXT_QUESTION, monkeypatch, capsys) == (
+    assert refusal(argv, TEXT_QUESTION) == (
         f"dflash-mlx generate: error: {path} was made with kv_bits={options.get('kv_bits')}, "
         "not 8: leave out --kv-bits (the file's cache options are used), or make the file with it"
     )
@@ -390,7 +384,8 @@ def test_cache_prompt_writes_the_name_given_and_what_a_killed_run_left_goes(make
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["doc.cache", writing.name])
     assert not killed.exists()
-    out = dflash(f"generate --model {target} --draft {draft} --prompt-cache-file {path} -m 4", "?")
+    generate = f"generate --model {target} --draft {draft} --prompt-cache-file {path} -m 4"
+    out = dflash_in_process(generate, "?")
     assert out.returncode == 0, out.stderr
 
 
@@ -399,20 +394,22 @@ def test_generate_and_serve_refuse_an_altered_file_at_startup(make_pair, tmp_pat
     path = tmp_path / "doc.safetensors"
     models = f"--model {target} --draft {draft}"
     cli.main(["cache-prompt", *models.split(), "--prompt-cache-file", str(path), "-p", "Hi"])
-    for command, case in (
-        ("generate -m 4", "no model field"),
-        ("generate -m 4", "float16 keys"),
-        ("serve --port 0", "a negative offset"),
-    ):
-        change, message = ALTERED[case]
+
+    def bad_file(case: str):
         bad = tmp_path / f"{case.replace(' ', '-')}.safetensors"
-        altered(path, bad, change)
-        try:
-            out = dflash(f"{command} {models} --prompt-cache-file {bad}", "?")
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{command} took {case} and started")
-        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-        error = out.stderr.strip().splitlines()[-1]  # after the line saying what loads
-        name = command.split()[0]
-        assert error.startswith(f"dflash-mlx {name}: error: {bad} is not a prompt cache")
-        assert message in error
+        altered(path, bad, ALTERED[case][0])
+        return bad, f"{bad} is not a prompt cache", ALTERED[case][1]
+
+    for case in ("no model field", "float16 keys"):
+        bad, refused, message = bad_file(case)
+        argv = f"generate -m 4 {models} --prompt-cache-file {bad}"
+        error = refusal(argv, "?")  # after the line saying what loads
+        assert error.startswith(f"dflash-mlx generate: error: {refused}") and message in error
+    bad, refused, message = bad_file("a negative offset")
+    try:  # a child: a server that took the file would not return
+        out = dflash(f"serve --port 0 {models} --prompt-cache-file {bad}", "?")
+    except subprocess.TimeoutExpired:
+        pytest.fail("serve took a negative offset and started")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"dflash-mlx serve: error: {refused}") and message in error

@@ -4,6 +4,7 @@ import errno
 import http.server
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import copy_dir, cpu_default, read_config, save_draft, save_target
 from mlx.utils import tree_flatten
+from test_cli import dflash_in_process
 
 from dflash_mlx import cli, load_draft, stream_generate
 from dflash_mlx.cli.convert import convert_draft
@@ -150,22 +152,15 @@ def test_convert_cli_in_subprocess(published, workdir):
     )
     assert proc.returncode == 0, proc.stderr
     assert load_draft(out).config.target_layer_ids == [1, 3]
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "convert", str(workdir / "nope"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    proc = convert_cli(workdir / "nope", "--out", out)
     assert proc.returncode == 1
     assert "drafter directory not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def convert_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "convert", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def convert_cli(*args) -> subprocess.CompletedProcess:
+    """`dflash-mlx convert ARGS`, run in this process (`test_convert_cli_in_subprocess` runs
+    the command as a child)."""
+    return dflash_in_process(shlex.join(["convert", *map(str, args)]))
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:

@@ -1,6 +1,9 @@
-"""`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty."""
+"""`dflash-mlx generate`, `chat` and `info` as a user runs them: subprocesses and a pty where
+the process is what is checked (its streams, stdin, a terminal, imports), `cli.main` in this
+process where what a command computes is."""
 
 import argparse
+import io
 import json
 import os
 import re
@@ -8,6 +11,8 @@ import shlex
 import subprocess
 import sys
 import threading
+from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
 
 import mlx.core as mx
 import pexpect
@@ -67,6 +72,20 @@ def dflash(command: str, stdin: str = "", env: dict | None = None) -> subprocess
     )
 
 
+def dflash_in_process(command: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`dflash(command, stdin)` run in this process (`cli.main`), for checks of what a command
+    computes: a child process would add seconds of imports and check nothing more."""
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.object(sys, "stdin", io.StringIO(stdin)), redirect_stdout(out):
+        with redirect_stderr(err):
+            try:
+                cli.main(shlex.split(command))
+                status = 0
+            except SystemExit as exit_info:
+                status = exit_info.code or 0
+    return subprocess.CompletedProcess(command, status, out.getvalue(), err.getvalue())
+
+
 def test_generate_json_from_stdin_equals_greedy(make_pair, loaded):
     target, draft = make_pair("llama-tied-gqa")
     out = dflash(f"generate --model {target} --draft {draft} --json -m 16", "How many apples?")
@@ -91,7 +110,8 @@ def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pai
     target, draft = make_pair("llama-tools")
     flags = """--repetition-penalty 1.3 --frequency-penalty 0.4 --logit-bias '{"57": 6}'"""
     flags += """ --chat-template-config '{"style": "terse"}'"""
-    out = dflash(f"generate --model {target} --draft {draft} --json -m 16 {flags}", "Alice has")
+    command = f"generate --model {target} --draft {draft} --json -m 16 {flags}"
+    out = dflash_in_process(command, "Alice has")
     assert out.returncode == 0, out.stderr
     model, tokenizer, _ = loaded("llama-tools")
     text = chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}], style="terse")
@@ -139,7 +159,7 @@ def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
 def test_no_draft_sampling_follows_the_seed(make_pair):
     target, _ = make_pair("llama-tied-gqa")
     run = "generate --model {} --no-draft --no-chat-template -p 'Alice' -m 24 --temp 2 --seed {}"
-    outs = [dflash(run.format(target, seed)) for seed in (1, 1, 2)]
+    outs = [dflash_in_process(run.format(target, seed)) for seed in (1, 1, 2)]
     assert all(out.returncode == 0 for out in outs), outs[-1].stderr
     assert outs[0].stdout == outs[1].stdout != outs[2].stdout
 
@@ -153,6 +173,21 @@ def test_no_draft_loads_no_drafter(make_pair):
     assert load_models(parser.parse_args(["--model", str(target), "--no-draft"]))[2] is None
 
 
+EACH_COMMAND = """
+import contextlib, io, json, sys
+from dflash_mlx import cli
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.main(argv)
+            status = 0
+        except SystemExit as exit_info:
+            status = exit_info.code or 0
+    print(json.dumps([status, out.getvalue(), err.getvalue()]))
+"""
+
+
 def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, tmp_path):
     for package in ("fastapi", "uvicorn", "pydantic", "starlette"):  # shadowed: not installed
         (tmp_path / package).mkdir()
@@ -162,17 +197,25 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
     path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     target, _ = make_pair("llama-tied-gqa")
-
-    assert "usage: dflash-mlx train" in dflash("train --help", env=env).stdout
-    info = dflash("info", env=env)
-    assert info.returncode == 0 and "block-attention kernels" in info.stdout, info.stderr
-    out = dflash(
-        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12", env=env
+    commands = [
+        "train --help",
+        "info",
+        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12",
+        f"serve --model {target} --no-draft",
+    ]
+    # one child runs them all: a shadowed package fails every import of it, not just the first
+    child = [sys.executable, "-c", EACH_COMMAND, json.dumps([shlex.split(c) for c in commands])]
+    done = subprocess.run(child, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr
+    train_help, info, out, serve = (
+        subprocess.CompletedProcess(command, *json.loads(line))
+        for command, line in zip(commands, done.stdout.splitlines(), strict=True)
     )
+
+    assert "usage: dflash-mlx train" in train_help.stdout
+    assert info.returncode == 0 and "block-attention kernels" in info.stdout, info.stderr
     assert out.returncode == 0, out.stderr
     assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
-
-    serve = dflash(f"serve --model {target} --no-draft", env=env)
     assert serve.returncode == 1
     assert serve.stderr == (
         "dflash-mlx serve: error: serving needs uvicorn, which is not installed: "
@@ -182,7 +225,8 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
 
 def test_unreachable_hub_model_is_a_clear_error(make_pair):
     _, draft = make_pair("llama-tied-gqa")
-    out = dflash(f"generate --model no-such-org/no-such-model --draft {draft} -p x")
+    command = f"generate --model no-such-org/no-such-model --draft {draft} -p x"
+    out = dflash_in_process(command)
     assert out.returncode == 1
     assert "target model 'no-such-org/no-such-model' is not in the local hub cache" in out.stderr
     assert "If this machine is offline" in out.stderr and "Traceback" not in out.stderr
@@ -243,7 +287,8 @@ def test_chat_without_a_chat_template_answers_in_plain_role_format(no_template_p
 
 def test_generate_without_a_chat_template_continues_the_raw_prompt(no_template_pair, loaded):
     target, draft = no_template_pair
-    out = dflash(f"generate --model {target} --draft {draft} -p 'Alice has' -m 12")
+    command = f"generate --model {target} --draft {draft} -p 'Alice has' -m 12"
+    out = dflash_in_process(command)
     assert out.returncode == 0, out.stderr
     assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
 

@@ -85,10 +85,10 @@ def test_ablation_changes_only_this_instance_and_is_undone(name):
 
 
 def test_script_rejects_a_budget_without_full_cycles_in_one_line():
-    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--max-tokens", "10"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == (
+    """In this process: `sys.exit(message)`, which a child prints as its one line with status 1."""
+    with pytest.raises(SystemExit) as exit_info:
+        cycle_cost.main(["--shape", "tiny", "--max-tokens", "10"])
+    assert exit_info.value.code == (
         "cycle_cost.py: error: --max-tokens (10) must exceed the block size + 2 (18) "
         "to time full cycles"
     )

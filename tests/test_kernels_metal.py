@@ -32,7 +32,8 @@ def test_the_emulator_has_a_compiler():
 def test_ci_fails_instead_of_skipping_without_a_compiler(tmp_path):
     (tmp_path / "python").symlink_to(sys.executable)  # a PATH with python and no clang
     env = {**os.environ, "CI": "true", "PATH": str(tmp_path)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    # -n 0: the two tests in this process, not in worker processes (addopts' -n 2)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__]
     cmd += ["-k", "has_a_compiler or test_barrier_and_threadgroup_memory"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent)
     assert out.returncode == 1, out.stdout

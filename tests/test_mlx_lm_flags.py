@@ -17,7 +17,7 @@ import pytest
 from helpers import mlx_lm_greedy
 from mlx.utils import tree_flatten
 from mlx_lm import cli as mlx_lm_cli
-from test_cli import dflash
+from test_cli import dflash, dflash_in_process
 from test_server import running_server
 
 from dflash_mlx import cli
@@ -213,7 +213,8 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     """mlx_lm.generate command lines, `mlx_lm` swapped for `dflash-mlx` and a drafter added,
     print what mlx_lm.generate prints for them (greedy): a raw prompt, a chat with a system
     prompt and an extra end-of-sequence token, one with the reply's start given (a target
-    without a BOS token: mlx-lm adds none to a templated prompt), and one with a LoRA adapter."""
+    without a BOS token: mlx-lm adds none to a templated prompt), and one with a LoRA adapter.
+    Each runs in this process; the first again as a child, whose streams hold nothing else."""
     target, draft = make_pair("qwen3-tied-gqa")
     model, tokenizer, _ = loaded("qwen3-tied-gqa")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -229,13 +230,16 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     raw = f"--model {llama} --prompt 'Alice has' -m 8 --ignore-chat-template --verbose False"
     adapted = f"{raw} --adapter-path {save_adapter(llama, tmp_path / 'adapter')}"
     lines = ((templated, draft), (prefilled, draft), (raw, llama_draft), (adapted, llama_draft))
-    replies = []
+    commands, replies = [], []
     for line, drafter in lines:
         expected = mlx_lm_generate(line)
-        ours = dflash(f"generate {line} --draft-model {drafter} --num-draft-tokens 3")
+        commands.append(f"generate {line} --draft-model {drafter} --num-draft-tokens 3")
+        ours = dflash_in_process(commands[-1])
         assert ours.returncode == 0, ours.stderr
         assert ours.stdout == expected and ours.stderr == ""  # --verbose False: the reply alone
         replies.append(expected)
+    child = dflash(commands[0])
+    assert (child.returncode, child.stdout, child.stderr) == (0, replies[0], "")
     assert replies[0] == tokenizer.decode(tokens[: tokens.index(stop)]) + "\n"
     assert replies[3] != replies[2]  # the adapter changed the reply
 
@@ -258,7 +262,8 @@ def test_bench_without_a_drafter_says_it_is_random(make_pair, tmp_path):
 
     target, _ = make_pair("llama-tied-gqa")
     flags = f"--model {target} --limit 1 --max-tokens 4 --no-baseline --no-split"
-    out = dflash(f"bench {flags} --out {tmp_path / 'b.json'} --plot {tmp_path / 'b.png'}")
+    command = f"bench {flags} --out {tmp_path / 'b.json'} --plot {tmp_path / 'b.png'}"
+    out = dflash_in_process(command)
     assert out.returncode == 0, out.stderr
     assert RANDOM_DRAFTER_WARNING in out.stderr.splitlines()
     assert "RANDOM" in RANDOM_DRAFTER_WARNING

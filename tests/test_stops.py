@@ -4,7 +4,7 @@ import json
 import random
 import time
 
-from test_cli import dflash, greedy_text
+from test_cli import dflash_in_process, greedy_text
 
 from dflash_mlx.decode.stops import StopStrings
 
@@ -67,9 +67,8 @@ def test_generate_stop_cuts_greedy_output_at_the_earliest_stop_string(make_pair,
     reference, _ = greedy_text(loaded, "Alice has 3 apples", 40)
     early, late = stop_in(reference, 6), stop_in(reference, 14)
     flags = f"--stop '{late}' --stop '{early}' --block-size 4"
-    out = dflash(
-        f"generate --model {target} --draft {draft} --json -m 40 {flags}", "Alice has 3 apples"
-    )
+    command = f"generate --model {target} --draft {draft} --json -m 40 {flags}"
+    out = dflash_in_process(command, "Alice has 3 apples")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["text"] == reference[: reference.index(early)]

@@ -13,7 +13,7 @@ import test_families
 from helpers import mlx_lm_greedy, reference_greedy
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors
-from test_cli import dflash, greedy_text
+from test_cli import dflash, dflash_in_process, greedy_text
 from test_families import FAMILIES, PROMPT, first_difference, prompt_of
 from test_generate import OracleDraft
 from test_sampling import (
@@ -433,14 +433,16 @@ def test_cli_tree_budget_equals_greedy(make_pair, loaded):
     text, n = greedy_text(loaded, "Hi", 24)
     assert result["text"] == text and result["generation_tokens"] == n
     assert 0 < result["proposed"] <= 8 * result["cycles"]
-    bad = dflash(f"generate --model {target} --draft {draft} -m 4 --tree-budget 0", "Hi")
+    # the other command lines in this process
+    bad = dflash_in_process(f"generate --model {target} --draft {draft} -m 4 --tree-budget 0", "Hi")
     assert bad.returncode != 0 and "--tree-budget must be at least 1" in bad.stderr.splitlines()[-1]
-    sized = dflash(
+    sized = dflash_in_process(
         f"generate --model {target} --draft {draft} --json -m 24 --tree-budget 8 --adaptive", "Hi"
     )
     assert sized.returncode == 0, sized.stderr
     assert json.loads(sized.stdout)["text"] == text
-    lookup = dflash(f"generate --model {target} --no-draft --json -m 24 --tree-budget 4", "Hi")
+    no_draft = f"generate --model {target} --no-draft --json -m 24 --tree-budget 4"
+    lookup = dflash_in_process(no_draft, "Hi")
     assert lookup.returncode == 0, lookup.stderr  # prompt lookup decoding, no drafter
     assert json.loads(lookup.stdout)["text"] == text
 
