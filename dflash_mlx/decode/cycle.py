@@ -47,10 +47,10 @@ from .sampling import Verdict, Verifier
 class Commit:
     """Tokens a cycle commits, the target's logits at their positions (after the logits
     processors), the drafts accepted and proposed, why the reply ends (None, "stop",
-    "length"), the next cycle if it was launched already (`queued`), for the prefill's
-    commit the prompt positions it ran (`prefilled`), whether the cycle verified a tree
-    (else a chain, or a plain step where nothing was proposed) and how many replies' rows
-    it verified."""
+    "length"), the next cycle if it was launched already (`queued`), for a reply's first
+    commit the prompt positions its prefill and first cycle ran (`prefilled`), whether the
+    cycle verified a tree (else a chain, or a plain step where nothing was proposed) and how
+    many replies' rows it verified."""
 
     tokens: list[int]
     logits: mx.array

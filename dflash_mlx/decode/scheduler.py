@@ -308,9 +308,9 @@ def make_batch(
 
 
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:
-    """`reply`'s commits: the prefill's token first, then one per cycle, the last with its
-    `finish` reason. The reply joins the batch now, so replies made before the next cycle
-    start it together; whoever finds its reply's commits consumed runs the batch's next
+    """`reply`'s commits: the target's token after the prompt first, then one per cycle, the
+    last with its `finish` reason. The reply joins the batch now, so replies made before the
+    next cycle start it together; whoever finds its reply's commits consumed runs the batch's next
     cycle, which advances every reply in it. Closing the iterator (or dropping it) takes
     the reply out; its caches then hold the prompt and the reply after, but for its last
     token (`prompt_cache.tokens` lists what they hold)."""
