@@ -226,10 +226,16 @@ class Batch:
         [(_, commit)] = cycle.settle(pending, reply.started, self._launch_next)
         return commit
 
-    @staticmethod
-    def _launch_next(reply: Reply, root: int | mx.array) -> Pending:
+    def _launch_next(self, reply: Reply, root: int | mx.array) -> Pending:
         """The reply's next cycle alone, after `root` (a token maybe still on the device)."""
-        return cycle.launch([(reply, root, FIRST if reply.prompt_pending else reply.policy)])
+        return cycle.launch([(reply, root, self._policy(reply, 1))])
+
+    def _policy(self, reply: Reply, rows: int) -> Policy:
+        """What plans the reply's row in a cycle of `rows` rows: `FIRST` while its prompt's
+        last token is still to run, else its own policy alone or the batch's for that width."""
+        if reply.prompt_pending:
+            return FIRST
+        return reply.policy if rows == 1 else self.widths.policy(reply, rows)
 
     def _prefill(self, reply: Reply) -> None:
         prefill(reply, reply.state.prompt_cache.reuse(reply.prompt))
@@ -268,8 +274,7 @@ class Batch:
             for reply, root, queued in sharing:
                 if queued:
                     cycle.drop(queued, reply)
-                policy = self.widths.policy(reply, len(sharing))
-                rows.append((reply, root, FIRST if reply.prompt_pending else policy))
+                rows.append((reply, root, self._policy(reply, len(sharing))))
             try:
                 self.shared = cycle.launch(rows)
             except Exception:
@@ -310,8 +315,8 @@ def make_batch(
 def replies(batch: Batch, reply: Reply) -> Iterator[Commit]:
     """`reply`'s commits: the target's token after the prompt first, then one per cycle, the
     last with its `finish` reason. The reply joins the batch now, so replies made before the
-    next cycle start it together; whoever finds its reply's commits consumed runs the batch's next
-    cycle, which advances every reply in it. Closing the iterator (or dropping it) takes
+    next cycle start it together; whoever finds its reply's commits consumed runs the batch's
+    next cycle, which advances every reply in it. Closing the iterator (or dropping it) takes
     the reply out; its caches then hold the prompt and the reply after, but for its last
     token (`prompt_cache.tokens` lists what they hold)."""
     batch.add(reply)
