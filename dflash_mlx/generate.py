@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .chat_format import encode_prompt
 from .decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .decode.cycle import Reply, ReplyState
-from .decode.plan import make_policy, plain_reason, settings_unset, strategy_note
+from .decode.plan import choose_strategy, keep_learned, learned_policy, make_policy, plain_reason
 from .decode.prompt_cache import PromptCache, make_prompt_cache
 from .decode.proposers import DrafterProposer, LookupProposer, Proposer
 from .decode.scheduler import Batch, replies
@@ -92,7 +92,9 @@ def stream_generate(
     `block_policy` (an `AdaptiveStrategy` or `AdaptiveBlock` for this block size,
     or an `AdaptiveTree` for this tree budget) keeps what adapting learned: pass
     the same one to successive calls with one target and drafter so that each
-    starts from the last (a `prompt_cache` carries its own).
+    starts from the last (a `prompt_cache` carries its own). Without either, a
+    policy timed by the clock goes on from the last such call of this target and
+    drafter, so a loop of calls explores once.
     `logits_processors` are mlx-lm's (`make_logits_processors`: penalties, logit
     bias), applied at every verified position to the tokens before it, so the
     output is still the target's own (greedy: mlx-lm's with the same processors).
@@ -134,8 +136,10 @@ def stream_generate(
                 f"{target.max_context}"
             )
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
-    if prompt_cache is None:
+    own_cache = prompt_cache is None
+    if own_cache:
         prompt_cache = make_prompt_cache(model, draft, **settings.cache_options)
+        prompt_cache.block_policy = learned_policy(model, draft)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
     verifier = settings.verifier.for_reply()
@@ -145,15 +149,13 @@ def stream_generate(
     # Each cycle chooses a chain or a tree (`AdaptiveStrategy`) by default, with a drafter,
     # where nothing keeps it from trees (`strategy_note`); elsewhere the default is the
     # adaptive chain.
-    default = settings_unset(settings, block_policy)
-    note = strategy_note(draft, target, prompt_cache) if default else None
-    mixed = isinstance(block_policy, AdaptiveStrategy) or (
-        default and draft is not None and note is None
-    )
+    mixed, note = choose_strategy(settings, block_policy, draft, target, prompt_cache)
     if (settings.tree_budget or mixed) and settings.prompt_lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     state = ReplyState(target, prompt_cache, proposer, verifier)
     policy, depth = make_policy(settings, draft, target, prompt_cache, block_policy, mixed)
+    if own_cache and block_policy is None:
+        keep_learned(model, draft, policy)
     max_drafts = settings.block_size - 1 if settings.block_size else None
     eos = set(tokenizer.eos_token_ids)
     reply = Reply(state, policy, prompt_ids, max_tokens, eos, depth, max_drafts)

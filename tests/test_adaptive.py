@@ -22,6 +22,7 @@ from dflash_mlx.decode.adaptive import (
     Plan,
     for_rows,
 )
+from dflash_mlx.decode.plan import learned_policy
 from dflash_mlx.decode.scheduler import ByWidth
 from dflash_mlx.models.cycle_costs import FIXED_CYCLE_COSTS, FIXED_TREE_COSTS, interpolated_cost
 
@@ -649,3 +650,25 @@ def test_a_shared_width_measures_its_costs_from_a_plain_cycle_up():
     plan = shared.plan()  # trees never measured: the one expected to pay most, not the largest
     assert plan.tree and plan.drafts < 4
     assert for_rows(own, 1).plan() == own.plan()  # a reply's own cycles: unchanged
+
+
+def test_a_loop_of_default_calls_goes_on_from_the_last_policy(loaded, make_pair):
+    """A reply with no policy or prompt cache of its own starts from what the last such reply
+    of its target and drafter learned, when the clock times it; a policy costed from fixed
+    tables (the speculative rule) is not kept, nor one of another drafter; replies stay
+    mlx-lm's."""
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    ids = tokenizer.encode("def add(a, b):")
+    expected = reference_greedy(model, ids, 12, set(tokenizer.eos_token_ids))
+    first = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, ids, max_tokens=12)
+             for t in r.tokens]  # fmt: skip
+    kept = learned_policy(model, draft)
+    assert isinstance(kept, AdaptiveStrategy) and kept.timed and first == expected
+    again = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, ids, max_tokens=12)
+             for t in r.tokens]  # fmt: skip
+    assert again == expected and learned_policy(model, draft) is kept
+    sampled = dict(temperature=0.8, acceptance="speculative", max_tokens=6)
+    list(dflash_mlx.stream_generate(model, draft, tokenizer, ids, **sampled))
+    assert learned_policy(model, draft) is kept
+    other = dflash_mlx.load_draft(make_pair("llama-untied-mha")[1])
+    assert learned_policy(model, other) is None

@@ -11,8 +11,10 @@ from helpers import reference_greedy
 from test_cli import dflash_in_process
 from test_generate import OracleDraft
 
+from dflash_mlx import stream_generate
 from dflash_mlx.chat_format import render
 from dflash_mlx.cli import bench
+from dflash_mlx.decode.adaptive import AdaptiveBlock, AdaptiveStrategy
 
 PROMPTS = [
     {"id": "code", "category": "coding", "prompt": "def add(a, b):"},
@@ -71,8 +73,8 @@ def test_bench_end_to_end(make_pair, tmp_path):
     assert "overall" in proc.stdout and "verify forward" in proc.stdout
 
 
-def test_bench_with_the_default_adaptive_block_size(make_pair, tmp_path):
-    """The default run: the block size chosen per cycle (by the clock, so which prompts draft
+def test_bench_with_the_library_default(make_pair, tmp_path):
+    """The default run: chains or trees chosen per cycle (by the clock, so which prompts draft
     varies); the replies stay identical and the report well-formed whatever it chose."""
     target, draft = make_pair("llama-tied-gqa")
     prompts = tmp_path / "small.json"
@@ -85,8 +87,44 @@ def test_bench_with_the_default_adaptive_block_size(make_pair, tmp_path):
     assert results["overall"]["identical"] == 3
     for r in [*results["prompts"], results["overall"]]:
         rates = r["acceptance"]["per_position"]
-        assert len(rates) <= 15 and all(0 <= x <= 1 for x in rates)
+        assert len(rates) <= 16 and all(0 <= x <= 1 for x in rates)  # trees: 16 nodes
         assert 1 <= r["acceptance"]["tau"] <= 16
+
+
+def test_bench_runs_the_library_default_and_counts_its_cycles(loaded, monkeypatch):
+    """Unset, the bench's replies play what `stream_generate` plays by default (chains or
+    trees chosen per cycle), one policy going on from prompt to prompt; asked to adapt a
+    block size, the adaptive chain; the report counts the kinds of cycle each played."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    policies = []
+
+    def spy(*args, **kwargs):
+        policies.append(kwargs["block_policy"])
+        return stream_generate(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "stream_generate", spy)
+    prompts = [{"id": "a", "prompt": "def add(a, b):"}, {"id": "b", "prompt": "The quick"}]
+    results = bench.bench(model, tokenizer, draft, prompts, max_tokens=12, split=False)
+    assert isinstance(policies[0], AdaptiveStrategy) and len(policies) == 3  # warm-up + 2
+    assert all(p is policies[0] for p in policies)
+    per_prompt = [r["cycle_kinds"] for r in results["prompts"]]
+    overall = results["overall"]["cycle_kinds"]
+    assert overall == {k: sum(kinds[k] for kinds in per_prompt) for k in overall}
+    assert all(sum(kinds.values()) > 0 for kinds in per_prompt)
+
+    policies.clear()
+    bench.bench(
+        model, tokenizer, draft, prompts[:1], max_tokens=8, split=False, block_size=4,
+        adaptive=True, baseline=False,
+    )  # fmt: skip
+    assert isinstance(policies[0], AdaptiveBlock) and policies[0].block_size == 4
+    policies.clear()
+    fixed = bench.bench(
+        model, tokenizer, draft, prompts[:1], max_tokens=8, split=False, block_size=4,
+        baseline=False,
+    )  # fmt: skip
+    assert policies == [None, None]
+    assert fixed["overall"]["cycle_kinds"]["trees"] == 0
 
 
 def test_bench_rejects_bad_options_cleanly(tmp_path):

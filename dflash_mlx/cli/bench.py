@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..chat_format import render
+from ..decode.plan import new_policy
 from ..decode.prompt_cache import PromptCache, make_prompt_cache
 from ..decode.sampling import RULES
 from ..generate import stream_generate
@@ -46,7 +48,7 @@ from ..models.checkpoint import init_draft, load_draft
 from ..models.distributed import Lockstep, is_rank0, share, world_group
 from ..models.draft import KERNEL_BACKENDS, DFlashDraft
 from ..models.loading import DTYPES, KEEP_CHECKPOINT
-from ..models.target import load
+from ..models.target import TargetAdapter, load
 from ..native.blas import active_blas
 from ..native.swaps import swapped
 from ..options import (
@@ -175,6 +177,7 @@ class Run:
     cycles: list[tuple[int, int, int]] = field(default_factory=list)  # committed, acc., proposed
     peak_memory: float = 0.0
     text: str = ""
+    kinds: Counter = field(default_factory=Counter)  # DFlash's cycles: trees, chains, plain
 
 
 def measure(generate: Callable[[], Iterable], watch: Stopwatch | None = None) -> Run:
@@ -192,11 +195,20 @@ def measure(generate: Callable[[], Iterable], watch: Stopwatch | None = None) ->
         run.tokens += new
         run.text += r.text
         run.peak_memory = r.peak_memory
+        if isinstance(r, GenerationResponse) and r.drafting is not None:
+            d = r.drafting
+            run.kinds = Counter(trees=d.trees, chains=d.chains, plain=d.plain)
     # mlx-lm queues the step after its last token on its own stream; under mlx.launch that
     # step's collectives must be done before the next run queues its own, on every rank alike
     mx.synchronize(generation_stream)
     mx.synchronize()
     return run
+
+
+def cycle_kinds(runs: list[Run]) -> dict[str, int]:
+    """DFlash's cycles by kind over `runs`: which strategy the policy actually played."""
+    total = sum((r.kinds for r in runs), Counter())
+    return {kind: total[kind] for kind in ("trees", "chains", "plain")}
 
 
 def throughput(runs: list[Run]) -> dict[str, float]:
@@ -339,7 +351,8 @@ def bench(
         acceptance=acceptance_rule,
         tree_budget=tree_budget,
     )
-    policy = settings.new_policy(max_block)  # when adapting, each prompt goes on from the last
+    # the policy a reply would start with; when adapting, each prompt goes on from the last
+    policy = new_policy(settings, draft, TargetAdapter(model), make_prompt_cache(model, draft))
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(
@@ -378,6 +391,7 @@ def bench(
             "prompt_tokens": len(ids),
             "dflash": throughput(df_runs),
             "acceptance": acceptance(cycles),
+            "cycle_kinds": cycle_kinds(df_runs),
             "dflash_text": df_runs[0].text,
         }
         if baseline:
@@ -397,7 +411,11 @@ def bench(
         all_df += df_runs
         all_cycles += cycles
 
-    overall: dict[str, Any] = {"dflash": throughput(all_df), "acceptance": acceptance(all_cycles)}
+    overall: dict[str, Any] = {
+        "dflash": throughput(all_df),
+        "acceptance": acceptance(all_cycles),
+        "cycle_kinds": cycle_kinds(all_df),
+    }
     if baseline:
         overall["ar"] = throughput(all_ar)
         overall["speedup_decode"] = overall["dflash"]["decode_tps"] / overall["ar"]["decode_tps"]
@@ -464,6 +482,8 @@ def report(results: dict[str, Any]) -> None:
         "Acceptance per draft position: "
         + "  ".join(f"{k}:{rate:.2f}" for k, rate in enumerate(rates, 1))
     )
+    kinds = overall["cycle_kinds"]
+    console.print("DFlash cycles: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
     console.print(f"Peak memory: {overall['dflash']['peak_memory_gb']:.3f} GB (DFlash)")
     if "split_ms" in overall:
         split = Table(title="DFlash cycle split (instrumented pass, forced evaluation)")

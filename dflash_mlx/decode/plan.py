@@ -13,8 +13,9 @@ the shared cycles' costs as a reply's own policy measures its cycles.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..models.distributed import world_group
 from ..models.draft import DFlashDraft
@@ -86,6 +87,37 @@ def strategy_note(
     except ValueError as exc:
         return f"chains only: {exc}"
     return None
+
+
+def choose_strategy(
+    settings: GenerationSettings,
+    block_policy: Policy | None,
+    draft: DFlashDraft | None,
+    target: TargetAdapter,
+    prompt_cache: PromptCache,
+) -> tuple[bool, str | None]:
+    """Whether each cycle chooses a chain or a tree (the default with a drafter, where nothing
+    keeps it from trees), and why the default runs chains only where something does."""
+    default = settings_unset(settings, block_policy)
+    note = strategy_note(draft, target, prompt_cache) if default else None
+    mixed = isinstance(block_policy, AdaptiveStrategy) or (
+        default and draft is not None and note is None
+    )
+    return mixed, note
+
+
+def new_policy(
+    settings: GenerationSettings,
+    draft: DFlashDraft | None,
+    target: TargetAdapter,
+    prompt_cache: PromptCache,
+) -> AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None:
+    """The adaptive policy a reply under `settings` would start with (None: it would not
+    adapt), for a caller that carries one from reply to reply
+    (`stream_generate(block_policy=...)`), as the bench does."""
+    mixed, _ = choose_strategy(settings, None, draft, target, prompt_cache)
+    policy = make_policy(settings, draft, target, prompt_cache, None, mixed)[0]
+    return policy if isinstance(policy, ADAPTIVE) else None
 
 
 def make_policy(
@@ -164,3 +196,30 @@ def _strategy(
         kept = settings.new_strategy(block_size)
     prompt_cache.block_policy = kept
     return kept
+
+
+# What the last reply of a target and drafter that brought no policy or prompt cache of its
+# own learned of cycle costs and acceptance, for the next such reply: a script calling
+# `stream_generate` in a loop, as with mlx-lm, explores once, not every call. Only policies
+# timed by the clock are kept: their choices never change the output, where a policy costed
+# from fixed tables must start afresh for a seeded run to repeat.
+_learned: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Policy]] = {}
+
+
+def learned_policy(model: Any, draft: DFlashDraft | None) -> Policy | None:
+    """The policy the last reply of `model` and `draft` kept (`keep_learned`), if any."""
+    entry = _learned.get((id(model), id(draft)))
+    if entry is None or entry[0]() is not model or entry[1]() is not draft:
+        return None
+    return entry[2]
+
+
+def keep_learned(model: Any, draft: DFlashDraft | None, policy: Policy) -> None:
+    """Keep a clock-timed adaptive `policy` for the next reply of `model` and `draft`
+    (not under `mlx.launch`, where every rank must start alike)."""
+    if draft is None or not getattr(policy, "timed", False) or world_group() is not None:
+        return
+    for key, (m, d, _) in list(_learned.items()):
+        if m() is None or d() is None:
+            del _learned[key]
+    _learned[(id(model), id(draft))] = (weakref.ref(model), weakref.ref(draft), policy)
