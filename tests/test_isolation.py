@@ -14,7 +14,7 @@ from test_batch import no_eos, prompts
 
 from dflash_mlx import make_batch, stream_generate
 from dflash_mlx.decode.adaptive import Plan
-from dflash_mlx.decode.plan import FixedPlan
+from dflash_mlx.decode.plan import FixedPlan, learned_policy
 from dflash_mlx.models.target import TargetAdapter
 
 MAX_TOKENS = 24
@@ -231,7 +231,8 @@ def test_seeded_sampled_replies_beside_a_failing_one_are_their_solo_replies(load
 def test_finished_replies_are_freed_without_the_cyclic_collector(loaded, failing):
     """With the collector off, nothing of a finished reply stays: not its reply, step or
     sequence (weak references to them die), nor its arrays (MLX's active memory returns to
-    where it stood), whether it ended at its limit, closed early, or (`failing`) failed."""
+    where it stood), whether it ended at its limit, closed early, or (`failing`) failed. Its
+    policy is the one kept for the next reply of this target and drafter, not one per reply."""
     model, tokenizer, draft = loaded("llama-tied-gqa")
     tokenizer = no_eos(tokenizer)
     texts = prompts(4)
@@ -245,7 +246,8 @@ def test_finished_replies_are_freed_without_the_cyclic_collector(loaded, failing
             generators[i] = join(
                 batch, i, replies, model, draft, tokenizer, prompt, max_tokens=MAX_TOKENS, **kwargs
             )
-        kept = [(r, r.policy, r.state, r.state.cache[0]) for r in replies.values()]
+        assert all(r.policy is learned_policy(model, draft) for r in replies.values())
+        kept = [(r, r.state, r.state.cache[0]) for r in replies.values()]
         refs = [weakref.ref(o) for objects in kept for o in objects]
         del kept
         next(generators[3])
