@@ -201,6 +201,7 @@ def test_mlx_launch_bench_runs_in_lockstep_and_rank_0_alone_reports(make_pair, l
     argv += ["--prompts", "prompts.json", "--out", "bench.json"]
     status, out, err = launch(argv, cwd=tmp_path)
     assert status == 0, err
+    assert (tmp_path / "bench.json").is_file(), f"no bench.json; stdout:\n{out}\nstderr:\n{err}"
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["prompts"][0]["dflash_text"] == expected
     assert results["overall"]["identical"] == 1  # mlx-lm's decoding of the sharded target
