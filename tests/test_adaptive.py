@@ -672,3 +672,12 @@ def test_a_loop_of_default_calls_goes_on_from_the_last_policy(loaded, make_pair)
     assert learned_policy(model, draft) is kept
     other = dflash_mlx.load_draft(make_pair("llama-untied-mha")[1])
     assert learned_policy(model, other) is None
+
+
+def test_shared_cycles_decode_plainly_when_no_draft_is_accepted():
+    """Shared cycles re-measure a kind gone stale with its arm expected to pay most; that
+    measure must count as fresh even when it is the kind's smallest tree (else the policy
+    replays it every cycle and never settles on plain steps)."""
+    policy = AdaptiveStrategy(16, rows=4)
+    _, plans = simulate_strategy(policy, NEVER, (0.0, 1), cpu_chain_cost, cpu_tree_cost)
+    assert sum(p == Plan(0) for p in plans[-300:]) > 0.9 * 300

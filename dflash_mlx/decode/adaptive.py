@@ -437,11 +437,12 @@ class AdaptiveStrategy:
             return chains[-1]
         best = self.best()
         other = chains if best.tree else trees
-        if other and self.weight.get(other[1], 0.0) < self.stale:
-            # what is known of the other kind is old: measure it again (shared cycles: its
-            # arm expected to pay most, not its largest, the dearest there)
-            drafting = [p for p in other if p.drafts]
-            return other[-1] if self.rows == 1 else max(drafting, key=self.rate)
+        drafting = [p for p in other if p.drafts]
+        if drafting and self.weight.get(drafting[0], 0.0) < self.stale:
+            # what is known of the other kind is old: measure it again, all its arms at once
+            # with its largest (shared cycles: its arm expected to pay most, the largest
+            # being the dearest there)
+            return drafting[-1] if self.rows == 1 else max(drafting, key=self.rate)
         if best != self.last_best:
             self.last_best, self.probe_gap = best, self.min_probe_gap
         if self.cycles < self.next_probe:
