@@ -195,9 +195,9 @@ def measure(generate: Callable[[], Iterable], watch: Stopwatch | None = None) ->
         run.tokens += new
         run.text += r.text
         run.peak_memory = r.peak_memory
-        if isinstance(r, GenerationResponse) and r.drafting is not None:
-            d = r.drafting
-            run.kinds = Counter(trees=d.trees, chains=d.chains, plain=d.plain)
+    if run.stamps and isinstance(r, GenerationResponse) and r.drafting is not None:
+        d = r.drafting  # the last response's counts: every cycle of the reply
+        run.kinds = Counter(trees=d.trees, chains=d.chains, plain=d.plain)
     # mlx-lm queues the step after its last token on its own stream; under mlx.launch that
     # step's collectives must be done before the next run queues its own, on every rank alike
     mx.synchronize(generation_stream)

@@ -267,7 +267,7 @@ class Batch:
         that may share (`_shares`) when there are several, each of the others its own (a
         queued one launched already). Where the shared one fails to launch, its replies are
         back where they stood and each launches alone."""
-        sharing = [(r, root, queued) for r, root, queued in going_on if self._shares(r)]
+        sharing = [row for row in going_on if self._shares(row[0])]
         alone = []
         if len(sharing) > 1:
             rows = []
