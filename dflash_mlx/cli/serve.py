@@ -89,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_PROMPT_CACHE_BYTES})",
     )
     add_cache_file_argument(parser)
+    parser.add_argument(
+        "--record",
+        metavar="DIR",
+        type=Path,
+        help="keep every finished reply's prompt and token ids in DIR/replies.jsonl, to "
+        "fine-tune the drafter on this traffic (`dflash-mlx train finetune --from DIR`); this "
+        "stores the conversations themselves, on this machine only (default: off)",
+    )
     add_limit_arguments(parser)
     parser.add_argument(
         "--log-level",

@@ -22,9 +22,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..models.distributed import Lockstep, world_group
+from ..models.target import TargetAdapter
 from ..options import generation_settings, load_cache_file, load_models, processor_settings
 from .connections import GuardedH11, Repeats
 from .guards import LOCAL_HOSTS, NOISY, HostCheck, KeyCheck, Policy, host_name, served_hosts
+from .record import Recorder
 from .routes import Api
 from .shapes import error
 from .worker import Worker
@@ -144,6 +146,11 @@ def run(args: argparse.Namespace) -> None:
     check_flags(args)
     model, tokenizer, draft = load_models(args)
     cached = load_cache_file(args, model, draft)
+    lockstep = Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve")
+    recorder = None  # rank 0's only: the other ranks' replies are the same
+    if args.record is not None and lockstep.leader:
+        vocab_size = TargetAdapter(model).vocab_size
+        recorder = Recorder(args.record, model_name(args.model), vocab_size)
     worker = Worker(
         model,
         tokenizer,
@@ -152,14 +159,17 @@ def run(args: argparse.Namespace) -> None:
         args.chat_template_args,
         processor_settings(args),
         args.max_queue,
-        Lockstep(world_group(), args.rank_timeout, "dflash-mlx serve"),
+        lockstep,
         (args.prompt_cache_size, args.prompt_cache_bytes),
         args.max_batch,
         args.prompt_concurrency,
+        recorder,
     )
     if cached is not None:  # requests that start with the cached prompt go on from it
         worker.caches.put(cached)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if recorder is not None:
+        log.warning("--record: every finished reply's prompt and tokens go to %s", recorder.path)
     if not worker.lockstep.leader:
         worker.follow()
         return

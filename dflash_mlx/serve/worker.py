@@ -45,6 +45,7 @@ from ..options import (
 )
 from ..response import GenerationResponse
 from ..settings import GenerationSettings
+from .record import Recorder
 from .shapes import logprob_entries
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Worker:
         prompt_caches: tuple[int, int] = (DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_PROMPT_CACHE_BYTES),
         max_batch: int = DEFAULT_MAX_BATCH,
         prompt_concurrency: int | None = None,
+        recorder: Recorder | None = None,
     ):
         """`defaults`: the flags' generation settings, which requests override;
         `processor_settings` the flags' penalties, the base of a request's own;
@@ -90,7 +92,8 @@ class Worker:
         there: every rank must run the same forwards, and ranks do not agree on when a
         request joins a batch); `prompt_caches` how many conversations' caches to keep,
         and in how many bytes at most; `max_batch` how many requests decode together,
-        `prompt_concurrency` how many new ones a cycle prefills at most."""
+        `prompt_concurrency` how many new ones a cycle prefills at most; `recorder` keeps
+        every finished reply (`serve --record`)."""
         self.model, self.tokenizer, self.draft, self.defaults = model, tokenizer, draft, defaults
         self.template_kwargs = template_kwargs or {}
         self.processor_settings = processor_settings or {}
@@ -106,6 +109,7 @@ class Worker:
         self.lockstep = lockstep or Lockstep(None, 0, "serve")
         self.max_batch = max_batch if self.lockstep.group is None else 1
         self.batch = make_batch(model, draft, prompt_concurrency)
+        self.recorder = recorder
         self.waiting: deque[tuple[Job, threading.Event, Callable]] = deque()
         self.scheduling = False  # whether the worker thread runs `_schedule`
         self.closing = False  # the server is shutting down: every generation stops
@@ -235,6 +239,9 @@ class Worker:
             self._fail(running, exc)
             return False
         running.put((response, entries))
+        running.reply += response.tokens
+        if response.finish_reason is not None and self.recorder is not None:
+            self.recorder.add(job.prompt, running.reply, response.finish_reason)
         if running.stop.is_set() and response.finish_reason is None:
             log.info("client gone: stopped after %d tokens", response.generation_tokens)
         return True
@@ -295,6 +302,7 @@ class Running:
     stop: threading.Event
     put: Callable[[Any], None]
     responses: Iterator[GenerationResponse]
+    reply: list[int] = field(default_factory=list)  # the token ids committed so far
 
 
 @dataclass

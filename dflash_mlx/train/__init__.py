@@ -1,11 +1,13 @@
-"""Train DFlash drafters: `dflash-mlx train data|features|fit|export`.
+"""Train DFlash drafters: `dflash-mlx train data|features|fit|export|finetune`.
 
 The stages run separately and each resumes where it stopped: `data` stores the
-target's greedy replies to offline prompts as token ids (replies.jsonl);
+target's greedy replies to offline prompts (or to a user's conversations, or takes the
+replies a server recorded) as token ids (replies.jsonl);
 `features` caches the target's hidden states of the tapped layers (fp16) for
 every stored sequence; `fit` trains a drafter (DFlash 1, DFlash 2 or DSpark: `--arch`)
 on random anchored blocks with a block-sparse mask and checkpoints (ckpt/); `export`
-writes our layout with a model card and the published layout. Everything large lives
+writes our layout with a model card and the published layout; `finetune` runs the four
+on a user's own traffic, from a drafter they have. Everything large lives
 in the work dir (default ~/.cache/dflash-mlx/train/<name>), never in the repository.
 """
 
@@ -69,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=192, help="most tokens per reply")
     p.add_argument("--batch-size", type=int, default=48, help="replies generated together")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts drawn")
+    add_source_argument(p, required=False)
 
     p = sub.add_parser("features", parents=[common], help="cache target hidden states")
     p.add_argument("--taps", type=_ints, default=_ints(DEFAULT_TAPS), help="target layer ids")
@@ -176,7 +179,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help="let the drafter propose only the N most frequent reply tokens (plus EOS and mask)",
+        help="let the drafter propose only the N most frequent reply tokens (plus EOS, mask "
+        "and the tokens of the vocabulary of the drafter it was fine-tuned from, if any)",
+    )
+
+    p = sub.add_parser(
+        "finetune",
+        parents=[common],
+        help="fine-tune a drafter on recorded traffic or your conversations",
+        description="data, features, fit and export in one go: the target's replies from "
+        "SOURCE, a drafter fine-tuned on them from --draft, written to --out. Validation "
+        "holds out the newest replies and reports the drafter's tau on them before and after.",
+    )
+    add_source_argument(p, required=True)
+    p.add_argument("--draft", required=True, help="the drafter to start from (dir or hub id)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="where to write the fine-tuned drafter (the run's work dir, unless --work: "
+        "cache/train/finetune-<its name>)",
+    )
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the replies")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--val-seqs", type=int, default=None, help="replies held out (default 10%%)")
+    p.add_argument("--max-tokens", type=int, default=192, help="most tokens per new reply")
+    p.add_argument("--batch-size", type=int, default=48, help="replies generated together")
+
+
+def add_source_argument(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "--from",
+        dest="source",
+        required=required,
+        help="a `serve --record` directory (its replies are taken as they are) or a JSONL file "
+        'of chat conversations ({"messages": [...]} or {"prompt": "..."} per line; the target '
+        "replies to each, up to its last user turn)",
     )
 
 
@@ -262,21 +299,56 @@ def check_arch(draft: DFlashDraft, args: argparse.Namespace, source: str, hint: 
 
 
 def run(args: argparse.Namespace) -> None:
-    work = work_dir(args)
-    {"data": run_data, "features": run_features, "fit": run_fit, "export": run_export}[args.stage](
-        args, work
-    )
+    stages = {
+        "data": run_data,
+        "features": run_features,
+        "fit": run_fit,
+        "export": run_export,
+        "finetune": run_finetune,
+    }
+    if args.stage == "finetune" and not args.work:  # not the pool's data: a run of its own
+        args.work = str(default_work_dir(f"finetune-{Path(args.out).name}"))
+    stages[args.stage](args, work_dir(args))
 
 
 def run_data(args: argparse.Namespace, work: Path) -> None:
-    from .data import extend_dataset
+    from .data import conversation_prompts, extend_dataset
     from .prompts import build_prompts
 
+    source = Path(args.source).expanduser() if args.source else None
+    if source is not None and not source.exists():
+        raise FileNotFoundError(f"--from {args.source}: no such file or directory")
+    if source is None:
+        prompts = build_prompts(args.num_prompts, args.seed)
+    elif source.is_file():  # checked before anything is loaded
+        prompts = conversation_prompts(source)
     model, tokenizer = load_target(args)
-    prompts = build_prompts(args.num_prompts, args.seed)
+    if source is not None and source.is_dir():
+        import_recorded(source, model, work / "replies.jsonl")
+        return
     extend_dataset(
         model, tokenizer, prompts, work / "replies.jsonl", args.max_tokens, args.batch_size
     )
+
+
+def import_recorded(source: Path, model, path: Path) -> None:
+    """Take the replies a server recorded into `source`, if the same target wrote them."""
+    from ..models.target import TargetAdapter
+    from .data import import_records
+
+    meta = source / "meta.json"
+    if not (source / "replies.jsonl").exists():
+        raise FileNotFoundError(f"--from {source}: no replies.jsonl (record with serve --record)")
+    if meta.exists():
+        recorded = json.loads(meta.read_text()).get("vocab_size")
+        vocab = TargetAdapter(model).vocab_size
+        if recorded != vocab:
+            raise ValueError(
+                f"--from {source}: its replies are token ids of a target with a vocabulary of "
+                f"{recorded}, this one has {vocab}: give the --model that served them"
+            )
+    added = import_records(source, path)
+    print(f"{added} recorded replies added -> {path}")
 
 
 def run_features(args: argparse.Namespace, work: Path) -> None:
@@ -386,7 +458,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     def eval_fn(d):
         return decode_tau(model, d, tokenizer, held_out[: args.eval_prompts], args.eval_max_tokens)
 
-    fit(trainer, data, ckpt, work / "train_log.jsonl", eval_fn, val)
+    fit(trainer, data, ckpt, work / "train_log.jsonl", eval_fn if args.eval_prompts else None, val)
 
 
 def run_export(args: argparse.Namespace, work: Path) -> None:
@@ -416,10 +488,85 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
             {"trust_remote_code": args.trust_remote_code},
             eos_token_ids=read_config(target).get("eos_token_id"),
         )
+        # a drafter fine-tuned from one with a draft vocabulary keeps it, and adds the new
+        # data's most frequent tokens
         always = [*tokenizer.eos_token_ids, draft.config.mask_token_id]
+        always += draft.config.draft_vocab or []
         records = read_records(work / "replies.jsonl")
         draft.config.draft_vocab = top_tokens(records, args.draft_vocab, always)
         print(f"draft vocabulary: {len(draft.config.draft_vocab)} tokens")
     print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
     if args.published:
         print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")
+
+
+def run_finetune(args: argparse.Namespace, work: Path) -> None:
+    """`data --from`, `features` at the drafter's taps, `fit --init-from` for `--epochs` over
+    the replies, `export`: each stage as its own command would run it, so a run cut short
+    resumes, and `fit`'s log holds the validation before and after."""
+    from ..models.checkpoint import load_draft
+    from .data import read_records
+    from .features import cached_records
+
+    common = ["--work", str(work)]
+    if args.model:
+        common += ["--model", args.model]
+    if args.trust_remote_code:
+        common.append("--trust-remote-code")
+    source = load_draft(args.draft)
+    taps = ",".join(map(str, source.config.target_layer_ids))
+    vocab = len(source.config.draft_vocab or [])
+    del source
+    stage(["data", "--from", args.source, "--max-tokens", str(args.max_tokens),
+           "--batch-size", str(args.batch_size), *common])  # fmt: skip
+    stage(["features", "--taps", taps, *common])
+    records = read_records(work / "replies.jsonl")
+    usable = cached_records(work / "features", len(records))
+    val = args.val_seqs if args.val_seqs is not None else max(1, usable // 10)
+    if usable - val < 1:
+        raise ValueError(
+            f"{len(records)} replies, features for {usable} of them (whole chunks of 64): "
+            f"too few to fine-tune on with {val} held out; record or give more"
+        )
+    steps = max(1, round(args.epochs * (usable - val) / 2))  # 2 sequences per step
+    fit_log = work / "train_log.jsonl"
+    if (work / "ckpt").exists():
+        steps = max(steps, checkpoint_step(work / "ckpt"))
+    stage(["fit", "--init-from", args.draft, "--steps", str(steps), "--lr", str(args.lr),
+           "--warmup", str(min(20, steps // 5)), "--val-seqs", str(val),
+           "--eval-every", str(steps), "--eval-prompts", "0", "--save-every", "50",
+           *common])  # fmt: skip
+    before, after = validation_taus(fit_log)
+    card = work / "card.md"
+    card.write_text(
+        f"# Drafter fine-tuned from {args.draft}\n\n"
+        f"`dflash-mlx train finetune --from {args.source}`: {usable - val} replies, "
+        f"{steps} steps at lr {args.lr}; validation tau on {val} held-out replies "
+        f"{before:.2f} before, {after:.2f} after.\n"
+    )
+    export = ["export", "--out", args.out, "--card", str(card), *common]
+    stage(export + (["--draft-vocab", str(vocab)] if vocab else []))
+    print(f"validation tau on {val} held-out replies: {before:.2f} -> {after:.2f}")
+
+
+def stage(argv: list[str]) -> None:
+    """Run one `dflash-mlx train` stage as its command line would."""
+    parser = argparse.ArgumentParser(prog="dflash-mlx train")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    print(f"== dflash-mlx train {' '.join(argv)}", flush=True)
+    run(args)
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return json.loads((ckpt / "state.json").read_text())["step"]
+
+
+def validation_taus(log: Path) -> tuple[float, float]:
+    """The first and the last validation tau (along decoding's path) of a `fit` log."""
+    taus = [
+        json.loads(line)["val"]["tau_decode"]
+        for line in log.read_text().splitlines()
+        if '"val"' in line
+    ]
+    return taus[0], taus[-1]

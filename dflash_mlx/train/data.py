@@ -2,7 +2,10 @@
 
 Replies are generated with mlx-lm's continuous `BatchGenerator` and appended to
 a JSONL file as each one finishes, so an interrupted run loses only the
-replies in flight and a rerun skips the prompt ids already stored.
+replies in flight and a rerun skips the prompt ids already stored. Prompts come
+from the offline pool (`prompts.py`) or from a user's chat conversations
+(`conversation_prompts`); replies a server recorded (`serve --record`) are the
+target's own already and are taken as they are (`import_records`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..chat_format import render
+from ..chat_format import chat_prompt, encode_prompt, render
 
 
 def read_records(path: Path) -> list[dict]:
@@ -63,14 +66,15 @@ def generate_replies(
     max_tokens: int,
     batch_size: int = 32,
 ) -> Iterator[dict]:
-    """Greedy replies of `model` to chat-templated `prompts`, yielded as they finish."""
+    """Greedy replies of `model` to chat-templated `prompts` (a "prompt" text as one user
+    turn, or a conversation's "messages"), yielded as they finish."""
     gen = BatchGenerator(
         model,
         stop_tokens=[[t] for t in tokenizer.eos_token_ids],
         completion_batch_size=batch_size,
         prefill_batch_size=min(batch_size, 16),
     )
-    ids = [render(tokenizer, p["prompt"], chat=True) for p in prompts]
+    ids = [templated_ids(tokenizer, p) for p in prompts]
     uids = gen.insert(ids, [max_tokens] * len(ids))
     by_uid = {uid: (p, i) for uid, p, i in zip(uids, prompts, ids)}
     replies: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -86,6 +90,63 @@ def generate_replies(
                     "start": len(prompt_ids),
                 }
     gen.close()
+
+
+def templated_ids(tokenizer: TokenizerWrapper, prompt: dict) -> list[int]:
+    """A prompt's token ids, chat-templated as it is served."""
+    if "messages" in prompt:
+        return encode_prompt(tokenizer, chat_prompt(tokenizer, prompt["messages"]))
+    return render(tokenizer, prompt["prompt"], chat=True)
+
+
+def conversation_prompts(path: Path) -> list[dict]:
+    """Prompts from a JSONL file of chat conversations, one per line: {"messages": [...]}
+    (mlx-lm's and OpenAI's fine-tuning format) or {"prompt": "..."}.
+
+    A conversation is kept up to its last user turn: the target writes the reply itself,
+    so what a drafter learns is what the target would say, whoever wrote the file's reply.
+    """
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"{where} is not a JSON object ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where} is not a JSON object")
+        prompt = {"id": f"{path.stem}-{number:06d}", "category": path.stem}
+        if isinstance(record.get("prompt"), str) and record["prompt"]:
+            prompts.append({**prompt, "prompt": record["prompt"]})
+            continue
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise ValueError(
+                f'{where} has neither "messages" (a list of {{"role", "content"}}) nor "prompt"'
+            )
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise ValueError(f"{where}: the conversation has no user turn to reply to")
+        prompts.append({**prompt, "messages": messages[: users[-1] + 1]})
+    return prompts
+
+
+def import_records(source: Path, path: Path) -> int:
+    """Append the records of `source` (a `serve --record` directory or a records file) that
+    `path` lacks; how many were added."""
+    records = read_records(source / "replies.jsonl" if source.is_dir() else source)
+    done = {r["id"] for r in read_records(path)}
+    new = [r for r in records if r["id"] not in done]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    end_at_a_record(path)
+    with path.open("a") as f:
+        for record in new:
+            f.write(json.dumps(record) + "\n")
+    return len(new)
 
 
 def extend_dataset(
