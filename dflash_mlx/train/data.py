@@ -15,8 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..chat_format import chat_prompt, encode_prompt, render
@@ -82,14 +84,68 @@ def generate_replies(
         for r in responses:
             replies[r.uid].append(r.token)
             if r.finish_reason is not None:
-                prompt, prompt_ids = by_uid[r.uid]
-                yield {
-                    "id": prompt["id"],
-                    "category": prompt["category"],
-                    "ids": prompt_ids + replies.pop(r.uid),
-                    "start": len(prompt_ids),
-                }
+                yield record_of(*by_uid[r.uid], replies.pop(r.uid))
     gen.close()
+
+
+def lockstep_replies(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompts: list[dict],
+    max_tokens: int,
+    batch_size: int = 128,
+) -> Iterator[dict]:
+    """The records `generate_replies` yields, decoded in lockstep: `batch_size` prompts of
+    similar length prefilled together (left-padded), then one forward per token for all,
+    finished rows dropped every 16 steps. No row joins a running batch, so no cache is ever
+    merged: on a CPU, where mlx-lm's continuous batching slows down as it widens (merging
+    each newcomer's cache into the running batch), this decodes several times more tokens
+    per second at widths of 64 and more. Targets whose layers do not all keep a plain KV
+    cache (sliding windows, recurrent layers) fall back to `generate_replies`."""
+    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        yield from generate_replies(model, tokenizer, prompts, max_tokens, batch_size)
+        return
+    eos = mx.array(sorted(tokenizer.eos_token_ids))
+    ids = [templated_ids(tokenizer, p) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
+    for b in range(0, len(order), batch_size):
+        rows = order[b : b + batch_size]
+        width = max(len(ids[i]) for i in rows)
+        pads = [width - len(ids[i]) for i in rows]
+        cache = [BatchKVCache(pads) for _ in make_prompt_cache(model)]
+        padded = mx.array([[0] * pad + ids[i] for pad, i in zip(pads, rows)])
+        token = model(padded, cache=cache)[:, -1].argmax(-1)
+        replies: list[list[int]] = [[] for _ in rows]
+        live = list(range(len(rows)))  # indices into `rows` of the rows still decoding
+        for step in range(max_tokens):
+            done = mx.any(token[:, None] == eos[None], axis=-1)
+            if step + 1 < max_tokens:
+                following = model(token[:, None], cache=cache)[:, -1].argmax(-1)
+                mx.async_eval(following)
+            for row, t, stop in zip(live, token.tolist(), done.tolist()):
+                if replies[row] is not None:
+                    replies[row].append(t)
+                    if stop or step + 1 == max_tokens:
+                        yield record_of(prompts[rows[row]], ids[rows[row]], replies[row])
+                        replies[row] = None
+            if step + 1 == max_tokens or all(replies[r] is None for r in live):
+                break
+            token = following
+            if step % 16 == 15:  # drop the finished rows
+                keep = [k for k, r in enumerate(live) if replies[r] is not None]
+                if len(keep) < len(live):
+                    for c in cache:
+                        c.filter(mx.array(keep))
+                    token, live = token[mx.array(keep)], [live[k] for k in keep]
+
+
+def record_of(prompt: dict, prompt_ids: list[int], reply: list[int]) -> dict:
+    return {
+        "id": prompt["id"],
+        "category": prompt["category"],
+        "ids": prompt_ids + reply,
+        "start": len(prompt_ids),
+    }
 
 
 def templated_ids(tokenizer: TokenizerWrapper, prompt: dict) -> list[int]:
