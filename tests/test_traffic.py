@@ -11,7 +11,8 @@ from test_server import MODEL, PROMPTS, openai_client, running_server
 import dflash_mlx
 from dflash_mlx import cli
 from dflash_mlx.chat_format import chat_prompt, encode_prompt
-from dflash_mlx.train.data import read_records
+from dflash_mlx.train.data import lockstep_replies, read_records
+from dflash_mlx.train.prompts import build_prompts
 
 
 def test_a_recorded_server_run_is_a_directory_the_trainer_reads(make_pair, tmp_path, capsys):
@@ -124,3 +125,19 @@ def test_a_bad_conversation_file_is_one_line(make_pair, tmp_path, capsys, line, 
                   "--out", str(tmp_path / "out"), "--model", str(target)])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 1 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_lockstep_replies_are_the_targets_greedy_replies(loaded):
+    """`train data`'s lockstep batches (left-padded prompts of several lengths, finished rows
+    dropped as they go) give each prompt mlx-lm's own greedy reply, EOS included."""
+    model, tokenizer, _ = loaded(MODEL)
+    prompts = build_prompts(200, seed=5)[:7]
+    records = list(lockstep_replies(model, tokenizer, prompts, 40, batch_size=3))
+    assert sorted(r["id"] for r in records) == sorted(p["id"] for p in prompts)
+    eos = set(tokenizer.eos_token_ids)
+    lengths = set()
+    for r in records:
+        expected, _ = helpers.mlx_lm_greedy(model, r["ids"][: r["start"]], 40, eos)
+        assert r["ids"][r["start"] :] == expected
+        lengths.add(len(expected))
+    assert len(lengths) > 1  # some rows stopped early, and the others went on without them

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("data", parents=[common], help="generate self-distillation replies")
     p.add_argument("--num-prompts", type=int, default=3000, help="prompts to reply to")
     p.add_argument("--max-tokens", type=int, default=192, help="most tokens per reply")
-    p.add_argument("--batch-size", type=int, default=48, help="replies generated together")
+    p.add_argument("--batch-size", type=int, default=32, help="replies decoded in lockstep")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts drawn")
     add_source_argument(p, required=False)
 
@@ -203,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
     p.add_argument("--val-seqs", type=int, default=None, help="replies held out (default 10%%)")
     p.add_argument("--max-tokens", type=int, default=192, help="most tokens per new reply")
-    p.add_argument("--batch-size", type=int, default=48, help="replies generated together")
+    p.add_argument("--batch-size", type=int, default=32, help="replies decoded in lockstep")
 
 
 def add_source_argument(parser: argparse.ArgumentParser, required: bool) -> None:

@@ -93,14 +93,14 @@ def lockstep_replies(
     tokenizer: TokenizerWrapper,
     prompts: list[dict],
     max_tokens: int,
-    batch_size: int = 128,
+    batch_size: int = 32,
 ) -> Iterator[dict]:
     """The records `generate_replies` yields, decoded in lockstep: `batch_size` prompts of
     similar length prefilled together (left-padded), then one forward per token for all,
     finished rows dropped every 16 steps. No row joins a running batch, so no cache is ever
-    merged: on a CPU, where mlx-lm's continuous batching slows down as it widens (merging
-    each newcomer's cache into the running batch), this decodes several times more tokens
-    per second at widths of 64 and more. Targets whose layers do not all keep a plain KV
+    merged into it, as mlx-lm's continuous batching does for each newcomer; on a CPU the
+    widest batch the few-row kernel takes (32) decodes fastest (`benchmarks/data_rate.py`).
+    Targets whose layers do not all keep a plain KV
     cache (sliding windows, recurrent layers) fall back to `generate_replies`."""
     if not all(type(c) is KVCache for c in make_prompt_cache(model)):
         yield from generate_replies(model, tokenizer, prompts, max_tokens, batch_size)
@@ -222,7 +222,7 @@ def extend_dataset(
     tic, tokens = time.perf_counter(), 0
     with path.open("a") as f:
         for n, record in enumerate(
-            generate_replies(model, tokenizer, todo, max_tokens, batch_size)
+            lockstep_replies(model, tokenizer, todo, max_tokens, batch_size)
         ):
             f.write(json.dumps(record) + "\n")
             f.flush()
