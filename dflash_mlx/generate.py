@@ -23,14 +23,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .chat_format import encode_prompt
 from .decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
 from .decode.cycle import Reply, ReplyState
-from .decode.plan import choose_strategy, keep_learned, learned_policy, make_policy, plain_reason
+from .decode.plan import keep_learned, learned_policy, resolve
 from .decode.prompt_cache import PromptCache, make_prompt_cache
 from .decode.proposers import DrafterProposer, LookupProposer, Proposer
 from .decode.scheduler import Batch, replies
+from .decode.settings import GenerationSettings
 from .models.draft import DFlashDraft
 from .models.target import TargetAdapter
 from .response import Drafting, GenerationResponse
-from .settings import GenerationSettings
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
 
@@ -139,30 +139,26 @@ def stream_generate(
     own_cache = prompt_cache is None
     if own_cache:
         prompt_cache = make_prompt_cache(model, draft, **settings.cache_options)
-        prompt_cache.block_policy = learned_policy(model, draft)
     elif (draft is None) != (not prompt_cache.draft):
         raise ValueError("the prompt cache was made for a different drafter (or for none)")
+    kept = learned_policy(model, draft) if own_cache else prompt_cache.block_policy
+    plan = resolve(settings, draft, target, prompt_cache.target, block_policy, kept)
+    if plan.adapts:  # the cache's next call goes on from what this one learns
+        prompt_cache.block_policy = plan.policy
+    if own_cache and block_policy is None:
+        keep_learned(model, draft, plan.policy)
     verifier = settings.verifier.for_reply()
     proposer: Proposer = Proposer()
     if draft is not None:
         proposer = DrafterProposer(draft, target, prompt_cache.draft, verifier.propose)
-    # Each cycle chooses a chain or a tree (`AdaptiveStrategy`) by default, with a drafter,
-    # where nothing keeps it from trees (`strategy_note`); elsewhere the default is the
-    # adaptive chain.
-    mixed, note = choose_strategy(settings, block_policy, draft, target, prompt_cache)
-    if (settings.tree_budget or mixed) and settings.prompt_lookup:
+    if plan.lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     state = ReplyState(target, prompt_cache, proposer, verifier)
-    policy, depth = make_policy(settings, draft, target, prompt_cache, block_policy, mixed)
-    if own_cache and block_policy is None:
-        keep_learned(model, draft, policy)
-    max_drafts = settings.block_size - 1 if settings.block_size else None
-    eos = set(tokenizer.eos_token_ids)
-    reply = Reply(state, policy, prompt_ids, max_tokens, eos, depth, max_drafts)
+    reply = Reply(state, plan, prompt_ids, max_tokens, set(tokenizer.eos_token_ids))
     reply.prefill_step_size = settings.prefill_step_size
     reply.prompt_progress = prompt_progress_callback
     commits = replies(batch or Batch(target, draft), reply)
-    drafting = Drafting(reason=plain_reason(settings, draft), note=note)
+    drafting = Drafting(reason=plan.plain_reason, note=plan.note)
     return stream(commits, tokenizer, len(prompt_ids), drafting)
 
 

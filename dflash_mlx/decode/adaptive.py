@@ -216,6 +216,10 @@ class AdaptiveBlock:
         up = (self.probes % 2 or i == 0) and i < len(self.sizes) - 1
         return self.sizes[i + 1 if up else max(i - 1, 0)]
 
+    def drop_trees(self) -> bool:
+        """It plans chains alone: nothing to drop."""
+        return False
+
     def record(self, cycle: Cycle) -> None:
         """One finished chain cycle."""
         block_size, committed = cycle.proposed + 1, cycle.accepted + 1
@@ -318,6 +322,10 @@ class AdaptiveTree:
             if self.probing and len(sizes) > 1:
                 best = max(sizes[1:], key=rate.__getitem__)
         return best - 1
+
+    def drop_trees(self) -> bool:
+        """It plans trees alone: a refused tree is the settings' error."""
+        return False
 
     def record(self, cycle: Cycle) -> None:
         """One finished tree cycle."""
