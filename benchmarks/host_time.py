@@ -3,6 +3,7 @@ bookkeeping only, nothing evaluated.
 
     python benchmarks/host_time.py                          # Qwen3-4B's and Qwen3-8B's shapes
     python benchmarks/host_time.py --shapes qwen3-8b --rounds 60 --json host.json
+    python benchmarks/host_time.py --kernels none     # mlx-lm's forward, as on a GPU without ours
 
 On a GPU the device computes a step while the host builds the next one's graph; whatever the
 host spends per token beyond that is where the device waits. That host work is the same
@@ -11,7 +12,8 @@ weights in the published shapes (`cycle_cost.SHAPES`, bf16) are created lazily a
 evaluated, so nothing is allocated (the peak memory is printed to show it), and the caches
 hold `--context` positions of lazy zeros.
 
-Measured, in one process, each a median over `--rounds` interleaved rounds (ms):
+Measured, in one process, each a median over `--rounds` interleaved rounds (ms); a cycle in
+mlx-lm steps is the median of its rounds' ratios (each cycle over the step of its own round):
 
 - mlx-lm's step: the graph `mlx_lm.generate_step` builds per token (`_step`: the model over
   one token, the last position's log-probabilities, the greedy sampler);
@@ -22,6 +24,11 @@ Measured, in one process, each a median over `--rounds` interleaved rounds (ms):
   stubbed for the measurement alone: `mx.async_eval` returns at once, the one read of the
   verdicts returns zeros (so every draft is rejected), and a tree's top-k read returns a fixed
   ranking. What a GPU adds per primitive when it dispatches a graph is not in these figures.
+
+`--kernels cpu` (the default) builds the forwards as this CPU runs them (compiled norms and
+RoPEs, `cpu_math`'s exps: more primitives than a GPU's forward); `--kernels none` as a backend
+without this package's kernels builds them (mlx-lm's modules as they are), the nearest this
+machine comes to a GPU's graph.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from dflash_mlx.decode.plan import resolve
 from dflash_mlx.decode.prompt_cache import make_prompt_cache
 from dflash_mlx.decode.proposers import DrafterProposer, LookupProposer
 from dflash_mlx.decode.settings import GenerationSettings
+from dflash_mlx.models import backends
 from dflash_mlx.models import draft as draft_module
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.target import TargetAdapter
@@ -60,10 +68,12 @@ CASES = {  # what each measured cycle verifies
 
 
 @contextmanager
-def device_stubbed() -> Iterator[None]:
+def device_stubbed(kernels: str) -> Iterator[None]:
     """The device's answers stubbed while a cycle's host work is measured: no evaluation is
-    queued, the verdicts read as zeros, a tree's top-k as a fixed ranking."""
+    queued, the verdicts read as zeros, a tree's top-k as a fixed ranking; with `kernels`
+    "none" the forwards are built as on a backend without this package's kernels."""
     async_eval, read, top = mx.async_eval, cycle.read_together, draft_module.top_candidates
+    current = backends.current
 
     def zeros(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
         return [np.zeros(a.shape, dtype=np.int32) for a in arrays]
@@ -74,10 +84,13 @@ def device_stubbed() -> Iterator[None]:
 
     mx.async_eval = lambda *arrays: None
     cycle.read_together, draft_module.top_candidates = zeros, ranking
+    if kernels == "none":
+        backends.current = lambda: None
     try:
         yield
     finally:
         mx.async_eval, cycle.read_together, draft_module.top_candidates = async_eval, read, top
+        backends.current = current
 
 
 def lazy_context(caches: list, positions: int, like: Callable[[int], tuple]) -> None:
@@ -157,7 +170,7 @@ def cycle_parts(reply: Reply) -> dict[str, float]:
     return out
 
 
-def measure(shape: str, rounds: int, context: int) -> dict:
+def measure(shape: str, rounds: int, context: int, kernels: str) -> dict:
     model = random_target(shape)
     model.set_dtype(mx.bfloat16)
     draft = init_draft(model, num_layers=DRAFT_LAYERS[shape], block_size=16, seed=1, lazy=True)
@@ -170,20 +183,24 @@ def measure(shape: str, rounds: int, context: int) -> dict:
         for case, kw in CASES.items()
     }
     samples: dict[str, list[float]] = {}
-    with device_stubbed():
+    with device_stubbed(kernels):
         for _ in range(rounds + 2):  # the first two rounds compile and warm caches
             samples.setdefault("mlx-lm step", []).append(mlx_lm_step(model, step_cache))
             for case, reply in replies.items():
                 for part, ms in cycle_parts(reply).items():
                     samples.setdefault(f"{case}: {part}", []).append(ms)
     medians = {name: statistics.median(values[2:]) for name, values in samples.items()}
-    step = medians["mlx-lm step"]
-    ratios = {case: medians[f"{case}: cycle"] / step for case in CASES}
+    steps = samples["mlx-lm step"][2:]  # each cycle in steps of its own round: load cancels
+    ratios = {
+        case: statistics.median(c / s for c, s in zip(samples[f"{case}: cycle"][2:], steps))
+        for case in CASES
+    }
     return {"ms": medians, "steps": ratios, "peak_memory_mb": mx.get_peak_memory() / 2**20}
 
 
-def report(shape: str, results: dict) -> None:
-    print(f"{shape} (bf16, lazy random weights; peak memory {results['peak_memory_mb']:.1f} MiB)")
+def report(shape: str, kernels: str, results: dict) -> None:
+    memory = results["peak_memory_mb"]
+    print(f"{shape}, bf16, kernels {kernels} (lazy random weights; peak memory {memory:.1f} MiB)")
     for name, ms in results["ms"].items():
         print(f"  {name:<36} {ms:7.2f} ms")
     for case, ratio in results["steps"].items():
@@ -195,12 +212,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3-4b,qwen3-8b")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--context", type=int, default=512, help="positions the caches hold")
+    parser.add_argument("--kernels", choices=("cpu", "none"), default="cpu")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = {}
     for shape in args.shapes.split(","):
-        results[shape] = measure(shape, args.rounds, args.context)
-        report(shape, results[shape])
+        results[shape] = measure(shape, args.rounds, args.context, args.kernels)
+        report(shape, args.kernels, results[shape])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
