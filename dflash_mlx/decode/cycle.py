@@ -400,19 +400,18 @@ def _settle(
     pending: Pending, started: float, launch_next: Callable[[Reply, mx.array], Pending] | None
 ) -> list[tuple[Reply, Commit]]:
     queued = _queue_next(pending, launch_next) if launch_next else None
-    parts = [part for row in pending.rows for part in _read(row)]
-    read = [part.tolist() for part in read_together(parts, mx.int32)] if parts else []
+    reads = _read_rows(pending.rows)
+    if queued is not None:  # a lone plain step, booked already (`_queue_next`)
+        row, (_, _, token) = pending.rows[0], reads[0]
+        if not queued.rows[0].plan.tree:
+            queued.rows[0].root = token
+        _record(row, pending, started, 0, queued)
+        return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
     commits, kept = [], []
-    for row in pending.rows:
+    for row, read in zip(pending.rows, reads):
         state = row.reply.state
         if row.tree is None:
-            drafts, accepted, token = read[:3]
-            read = read[3:]
-            if queued is not None:  # booked already (`_queue_next`)
-                if not queued.rows[0].plan.tree:
-                    queued.rows[0].root = token
-                _record(row, pending, started, 0, queued)
-                return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
+            drafts, accepted, token = read
             state.target.rollback(state.cache, pending.positions - accepted - 1)
             state.tokens.extend([row.root, *drafts[:accepted]])
             kept.append(accepted + 1)
@@ -420,8 +419,7 @@ def _settle(
             commit = Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1)
             _record(row, pending, started, accepted)
         else:
-            choices = read.pop(0) if row.choices is not None else None
-            commit, path = _walk(row, choices)
+            commit, path = _walk(row, read[0] if read else None)
             keep_path(state.cache, row.start, path)
             state.tokens.extend([row.tree.tokens[node] for node in path])
             kept.append(path)
@@ -430,6 +428,14 @@ def _settle(
         commits.append((row.reply, commit))
     _observe(pending, kept)
     return commits
+
+
+def _read_rows(rows: list[Row]) -> list[list]:
+    """What each row's settling reads (`_read`), as Python values, in one read of the device."""
+    parts = [_read(row) for row in rows]
+    flat = [p for row_parts in parts for p in row_parts]
+    values = iter(read_together(flat, mx.int32) if flat else [])
+    return [[next(values).tolist() for _ in row_parts] for row_parts in parts]
 
 
 def _queue_next(
