@@ -2,34 +2,24 @@
 same tokens in the same cycles: greedy, one reply, a chain of a fixed block size."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from helpers import BlockByBlock, reference_greedy
+from helpers import reference_greedy
+from test_generate import OracleDraft, prompt_of
 
 from dflash_mlx import stream_generate
 from dflash_mlx.decode.reference import reference_cycles
-from dflash_mlx.models.draft import DFlashDraft
 from dflash_mlx.models.target import TargetAdapter
 
 
-class OftenRight(BlockByBlock, DFlashDraft):
+class OftenRight(OracleDraft):
     """Proposes the target's greedy continuation but at every third position, so that the
     cycles accept different numbers of drafts."""
-
-    def __init__(self, draft: DFlashDraft, sequence: list[int]):
-        super().__init__(draft.config)
-        self.update(draft.parameters())
-        object.__setattr__(self, "sequence", sequence)
 
     def block_logits(self, block, embed, lm_head, cache):
         start = cache[0].offset
         truth = self.sequence[start + 1 : start + block.shape[0]]
         wrong = [(t + 1) % 300 if (start + j) % 3 == 2 else t for j, t in enumerate(truth)]
         return 100.0 * mx.eye(self.config.vocab_size)[mx.array(wrong)]
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(4, 300, size=length).tolist()
 
 
 @pytest.mark.parametrize("oracle", [False, True], ids=["shipped-random", "often-right"])
