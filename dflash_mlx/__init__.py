@@ -15,12 +15,12 @@ use_fast_cpu()  # before anything imports mlx: see blas.py
 
 from .decode.prompt_cache import PromptCache, make_prompt_cache  # noqa: E402
 from .decode.scheduler import make_batch  # noqa: E402
+from .decode.settings import GenerationSettings  # noqa: E402
 from .generate import generate, stream_generate  # noqa: E402
 from .models.checkpoint import load_draft  # noqa: E402
 from .models.draft import DFlashConfig, DFlashDraft  # noqa: E402
 from .models.target import TargetAdapter, load  # noqa: E402
 from .response import GenerationResponse  # noqa: E402
-from .settings import GenerationSettings  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

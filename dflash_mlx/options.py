@@ -23,13 +23,13 @@ from tqdm import tqdm
 from .decode.cache_file import load_prompt_cache
 from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
 from .decode.sampling import RULES
+from .decode.settings import PREFILL_STEP, GenerationSettings
 from .models.checkpoint import load_draft
 from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
 from .models.target import load
 from .response import GenerationResponse
-from .settings import PREFILL_STEP, GenerationSettings
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 DEFAULT_MAX_BATCH = 8  # requests `serve` decodes together

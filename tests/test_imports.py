@@ -31,7 +31,10 @@ LEAVES = ("chat_format", "paths", "response", "staging")  # import nothing of th
 
 
 def layer(module: str) -> int | None:
-    """The rank in `LAYERS` of a package module (None: a leaf, or in no layer)."""
+    """The rank in `LAYERS` of a package module (None: a leaf, or in no layer); a module's
+    `__main__` block is the command line's."""
+    if module.endswith(SCRIPT):
+        return len(LAYERS) - 1
     relative = module.removeprefix("dflash_mlx").removeprefix(".")
     for rank, (_, members) in enumerate(LAYERS):
         if any(relative == m or (m and relative.startswith(f"{m}.")) for m in members):
@@ -54,21 +57,24 @@ def upward_imports(imports: dict[str, dict[str, int]]) -> list[str]:
 
 
 MAIN_TEST = "__name__ == '__main__'"
+SCRIPT = ".__main__"  # a module's `if __name__ == "__main__":` block, as a node of its own
 
 
-def without_main_block(tree: ast.Module) -> ast.Module:
-    """`tree` less its `if __name__ == "__main__":` block: that code runs only in the module
-    run as a script (`__main__`), which no module imports, so its imports close no cycle
-    (and a script, an entry point, may use any layer)."""
-    tree.body = [
-        n for n in tree.body if not (isinstance(n, ast.If) and ast.unparse(n.test) == MAIN_TEST)
-    ]
-    return tree
+def split_main_block(tree: ast.Module) -> tuple[ast.Module, ast.Module]:
+    """`tree` less its `if __name__ == "__main__":` block, and that block alone. The block runs
+    only where the module is run as a script (`python -m`): it is an entry point of the command
+    line, which nothing imports, so the graph holds it as a node of its own
+    (`dflash_mlx.generate.__main__`) in the command line's layer; its imports are checked as
+    that node's."""
+    main = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == MAIN_TEST]
+    rest = [n for n in tree.body if not any(n is m for m in main)]
+    return ast.Module(rest, []), ast.Module(main, [])
 
 
 def imported_lines() -> dict[str, dict[str, int]]:
     """Module -> the package modules it imports anywhere in its source (in functions and
-    `TYPE_CHECKING` blocks too), each with the line of its first import there.
+    `TYPE_CHECKING` blocks too), each with the line of its first import there; a module's
+    `__main__` block is a module of its own (`split_main_block`).
 
     `from . import x` points at module `x` when there is one, else at the package
     (a name its `__init__` defines); the implicit import of a parent package by
@@ -78,27 +84,35 @@ def imported_lines() -> dict[str, dict[str, int]]:
     found = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets: dict[str, int] = {}
-        for node in ast.walk(without_main_block(ast.parse(path.read_text()))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names if a.name.startswith("dflash_mlx")]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    base = f"{base}.{node.module}" if node.module else base
-                elif (node.module or "").startswith("dflash_mlx"):
-                    base = node.module
-                else:
-                    continue
-                names = [f"{base}.{a.name}" for a in node.names]
-                names = [n if n in files else base for n in names]
+        body, main = split_main_block(ast.parse(path.read_text()))
+        found[name] = imports_of(body, name, package, files)
+        if main.body:
+            found[name + SCRIPT] = imports_of(main, name + SCRIPT, package, files)
+    return found
+
+
+def imports_of(tree: ast.Module, name: str, package: str, files: dict) -> dict[str, int]:
+    """The package modules `tree` (of module `name` in `package`) imports, by first line."""
+    targets: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("dflash_mlx")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            elif (node.module or "").startswith("dflash_mlx"):
+                base = node.module
             else:
                 continue
-            for target in names:
-                if target in files and target != name:
-                    targets[target] = min(targets.get(target, node.lineno), node.lineno)
-        found[name] = targets
-    return found
+            names = [f"{base}.{a.name}" for a in node.names]
+            names = [n if n in files else base for n in names]
+        else:
+            continue
+        for target in names:
+            if target in files and target != name:
+                targets[target] = min(targets.get(target, node.lineno), node.lineno)
+    return targets
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -137,6 +151,13 @@ def test_the_graph_sees_lazy_and_relative_imports():
     assert "dflash_mlx.models.loading" in graph["dflash_mlx.train"]  # `from ..models.loading`
     assert "dflash_mlx.models.draft" in graph["dflash_mlx.train"]  # under TYPE_CHECKING
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_a_main_block_is_a_command_line_node_of_its_own():
+    graph = import_graph()
+    assert "dflash_mlx.cli" in graph["dflash_mlx.generate.__main__"]
+    assert "dflash_mlx.cli" not in graph["dflash_mlx.generate"]
+    assert layer("dflash_mlx.generate.__main__") == layer("dflash_mlx.cli")
 
 
 def test_the_package_has_no_import_cycles():

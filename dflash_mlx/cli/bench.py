@@ -40,9 +40,10 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..chat_format import render
-from ..decode.plan import new_policy
+from ..decode.plan import resolve
 from ..decode.prompt_cache import PromptCache, make_prompt_cache
 from ..decode.sampling import RULES
+from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
 from ..models.checkpoint import init_draft, load_draft
 from ..models.distributed import Lockstep, is_rank0, share, world_group
@@ -57,7 +58,6 @@ from ..options import (
     add_trust_remote_code_argument,
 )
 from ..response import GenerationResponse
-from ..settings import GenerationSettings
 
 PROMPTS_FILE = Path(__file__).parent.parent / "data" / "bench_prompts.json"
 PARTS = ("draft", "context", "verify", "rollback")
@@ -352,7 +352,8 @@ def bench(
         tree_budget=tree_budget,
     )
     # the policy a reply would start with; when adapting, each prompt goes on from the last
-    policy = new_policy(settings, draft, TargetAdapter(model), make_prompt_cache(model, draft))
+    plan = resolve(settings, draft, TargetAdapter(model), make_prompt_cache(model, draft).target)
+    policy = plan.policy if plan.adapts else None
 
     def ar(ids: list[int], n: int) -> Callable[[], Iterable]:
         return lambda: mlx_lm.stream_generate(

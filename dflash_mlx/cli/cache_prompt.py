@@ -26,6 +26,7 @@ from tqdm import tqdm
 from ..chat_format import has_chat_template, open_prompt
 from ..decode.cache_file import save_prompt_cache
 from ..decode.prompt_cache import PromptCache, make_prompt_cache
+from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
 from ..models.checkpoint import load_draft
 from ..models.draft import DFlashDraft
@@ -39,7 +40,6 @@ from ..options import (
     cache_options,
     flagged_settings,
 )
-from ..settings import GenerationSettings
 
 PROGRESS_STEP = 256  # prompt tokens per prefill forward: how often the bar moves
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from ..chat_format import chat_prompt, encode_prompt
 from ..decode.prompt_cache import make_prompt_cache
+from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
 from ..models.distributed import Lockstep, world_group
 from ..models.target import TargetAdapter
@@ -34,7 +35,6 @@ from ..options import (
     load_models,
 )
 from ..response import GenerationResponse
-from ..settings import GenerationSettings
 
 HELP = """commands:
   /reset   start a new conversation (the system message is kept)

@@ -26,7 +26,8 @@ import mlx.core as mx
 import mlx_lm
 
 from ..chat_format import render
-from ..decode.adaptive import AdaptiveBlock
+from ..decode.plan import resolve
+from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
 from ..models.checkpoint import load_draft
 from ..models.gguf import smollm2_model_dir
@@ -118,7 +119,8 @@ def verify_setting(model, draft, tree_budget: int) -> dict:
         except ValueError as exc:
             print(f"note: {exc}; the demo runs the chain")
     # one policy for the warm-up and the measured run: the warm-up's costs carry over
-    return {"block_policy": AdaptiveBlock(draft.config.block_size)}
+    chain = resolve(GenerationSettings(adaptive=True), draft, TargetAdapter(model), [])
+    return {"block_policy": chain.policy}
 
 
 def _echo(responses: Iterable[GenerationResponse]) -> Iterator[GenerationResponse]:

@@ -38,10 +38,8 @@ A policy is worth keeping across generations of the same target and drafter
 costs and acceptance it learned hold for the next reply too, so it does not
 spend each reply's first cycles relearning them.
 
-On a CPU, where a 16-position cycle costs little more than a decoding step and the shipped
-drafter is rarely right past its third token, this settles on 3–5; on a GPU with a strong
-drafter it keeps the full block. The block size
-never changes the output.
+Where it settles on each machine is measured in benchmarks/README.md ("Block size chosen
+by measured cost"). The block size never changes the output.
 """
 
 from __future__ import annotations
@@ -216,6 +214,10 @@ class AdaptiveBlock:
         up = (self.probes % 2 or i == 0) and i < len(self.sizes) - 1
         return self.sizes[i + 1 if up else max(i - 1, 0)]
 
+    def drop_trees(self) -> bool:
+        """It plans chains alone: nothing to drop."""
+        return False
+
     def record(self, cycle: Cycle) -> None:
         """One finished chain cycle."""
         block_size, committed = cycle.proposed + 1, cycle.accepted + 1
@@ -240,7 +242,7 @@ class AdaptiveTree:
     whole path is the target's own choice, so a calibrated drafter's tree of the
     first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. A
     drafter need not be calibrated: s is the decayed ratio of the drafts accepted
-    to those predicted over past trees (the shipped SmolLM2 drafter's is ~1.1).
+    to those predicted over past trees.
     With c(b) the running average wall time of cycles verifying b + 1 positions
     (interpolated as `AdaptiveBlock` does while unmeasured), the cycle verifies
     the b ≤ `max_budget` on `block_ladder` that maximises E(b) / c(b); b = 0
@@ -319,6 +321,10 @@ class AdaptiveTree:
                 best = max(sizes[1:], key=rate.__getitem__)
         return best - 1
 
+    def drop_trees(self) -> bool:
+        """It plans trees alone: a refused tree is the settings' error."""
+        return False
+
     def record(self, cycle: Cycle) -> None:
         """One finished tree cycle."""
         if not self.drafting:
@@ -348,9 +354,8 @@ class AdaptiveStrategy:
     `AdaptiveBlock`'s do, every other one the largest arm of the other kind (so its
     acceptance follows the text), between them the next larger or smaller arm of the best's.
 
-    With the shipped SmolLM2 drafter on a CPU this settles on trees of 6-12 with the prompt
-    lookup; a strong drafter on a GPU, where a tree costs more than the chain of its depth,
-    keeps deep chains. When sampling (`fixed_costs`: chain costs by block size, tree costs
+    Where it settles is measured in benchmarks/README.md ("Chains or trees chosen per
+    cycle"). When sampling (`fixed_costs`: chain costs by block size, tree costs
     by positions) the choice follows the acceptance alone, so a seeded run is reproducible.
     Neither kind changes the output.
     """

@@ -34,13 +34,13 @@ import mlx.core as mx
 from ..models.rollback import keep_path
 from ..models.target import TargetAdapter, TreeShape
 from ..models.tree import Tree, ancestor_mask, read_together, walk
-from ..settings import PREFILL_STEP
 from . import proposers
-from .adaptive import AdaptiveStrategy, Cycle, Plan
-from .plan import Policy
+from .adaptive import Cycle, Plan
+from .plan import DecodingPlan, Policy
 from .prompt_cache import PromptCache
 from .proposers import Proposer
 from .sampling import Verdict, Verifier
+from .settings import PREFILL_STEP
 
 
 @dataclass
@@ -84,16 +84,14 @@ class ReplyState:
 
 @dataclass(eq=False)
 class Reply:
-    """One reply a batch advances: its sequence and policy (what each cycle verifies), its
+    """One reply a batch advances: its sequence and plan (what each cycle verifies), its
     prompt and limits, the commits not yet consumed, and the cycle launched for it."""
 
     state: ReplyState
-    policy: Policy
+    plan: DecodingPlan
     prompt: list[int]
     max_tokens: int
     eos: set[int]
-    depth: int = 0  # how deep a tree may go (the drafter's block size - 1)
-    max_drafts: int | None = None  # a cap on the drafts of a shared cycle (None: the plan's)
     prefill_step_size: int = PREFILL_STEP
     prefilled: int = 0  # prompt positions its prefill and first cycle run
     # mlx-lm's prompt_progress_callback(processed, total), called as the prompt is prefilled
@@ -103,6 +101,11 @@ class Reply:
     pending: Pending | None = None  # the cycle launched for it alone, if any
     started: float = 0.0  # when its last commit was handed on
     error: Exception | None = None  # what failed its part of a cycle, raised at its next commit
+
+    @property
+    def policy(self) -> Policy:
+        """What plans its own cycles."""
+        return self.plan.policy
 
     @property
     def remaining(self) -> int:
@@ -193,22 +196,31 @@ def launch(rows: list[tuple[Reply, int | mx.array, Policy]]) -> Pending:
     """The cycle after each reply's root, as its policy plans it: drafts, one verify forward
     for every row (each through its own caches), verdicts. A failure is raised with every
     reply back where it stood (`Mark`). A lone reply whose target refuses its first tree
-    forward (`TargetAdapter.check_tree` could not tell) chains from then on."""
-    planned: dict[int, Plan] = {}  # the rows one policy plans share its one plan
+    forward (`TargetAdapter.check_tree` could not tell) runs a chain instead where its policy
+    may fall back to chains (`drop_trees`)."""
+    plans = _plans(rows)
+    try:
+        return _launch_marked(rows, plans)
+    except ValueError:
+        policy = rows[0][2]
+        if not (len(rows) == 1 and plans[0].tree and policy.drop_trees()):
+            raise
+    return _launch_marked(rows, _plans(rows))
+
+
+def _plans(rows: list[tuple[Reply, int | mx.array, Policy]]) -> list[Plan]:
+    """Each row's plan: the rows one policy plans share its one plan."""
+    planned: dict[int, Plan] = {}
     for _, _, policy in rows:
         if id(policy) not in planned:
             planned[id(policy)] = policy.plan()
-    plans = [planned[id(policy)] for _, _, policy in rows]
+    return [planned[id(policy)] for _, _, policy in rows]
+
+
+def _launch_marked(rows: list[tuple[Reply, int | mx.array, Policy]], plans: list[Plan]) -> Pending:
     marks = [Mark.of(reply.state) for reply, _, _ in rows]
-    try:
-        with put_back_on_failure([reply for reply, _, _ in rows], marks):
-            return _launch(rows, plans, marks)
-    except ValueError:
-        policy = rows[0][2]
-        refused = len(rows) == 1 and plans[0].tree and isinstance(policy, AdaptiveStrategy)
-        if not refused or not policy.drop_trees():
-            raise
-        return launch(rows)
+    with put_back_on_failure([reply for reply, _, _ in rows], marks):
+        return _launch(rows, plans, marks)
 
 
 def _launch(
@@ -279,8 +291,8 @@ def _chains(
         drafts = plan.drafts
         if plan.tree or not drafts:
             continue
-        if len(rows) > 1 and reply.max_drafts is not None:
-            drafts = min(drafts, reply.max_drafts)
+        if len(rows) > 1 and reply.plan.max_drafts is not None:
+            drafts = min(drafts, reply.plan.max_drafts)
         state = reply.state
         n = state.target.forward_limit(state.cache, min(drafts + 1, reply.remaining))
         if n > 1:
@@ -307,7 +319,7 @@ def _trees(
             continue
         state = rows[i][0].state
         limit = state.target.forward_limit(state.cache, rows[i][0].remaining) - 1
-        depth = min(rows[i][0].depth, limit, plan.drafts)
+        depth = min(rows[i][0].plan.depth, limit, plan.drafts)
         out[i] = Tree([roots[i]], [-1], [0]), False
         if depth > 0:
             drafting.append(i)
@@ -388,19 +400,18 @@ def _settle(
     pending: Pending, started: float, launch_next: Callable[[Reply, mx.array], Pending] | None
 ) -> list[tuple[Reply, Commit]]:
     queued = _queue_next(pending, launch_next) if launch_next else None
-    parts = [part for row in pending.rows for part in _read(row)]
-    read = [part.tolist() for part in read_together(parts, mx.int32)] if parts else []
+    reads = _read_rows(pending.rows)
+    if queued is not None:  # a lone plain step, booked already (`_queue_next`)
+        row, (_, _, token) = pending.rows[0], reads[0]
+        if not queued.rows[0].plan.tree:
+            queued.rows[0].root = token
+        _record(row, pending, started, 0, queued)
+        return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
     commits, kept = [], []
-    for row in pending.rows:
+    for row, read in zip(pending.rows, reads):
         state = row.reply.state
         if row.tree is None:
-            drafts, accepted, token = read[:3]
-            read = read[3:]
-            if queued is not None:  # booked already (`_queue_next`)
-                if not queued.rows[0].plan.tree:
-                    queued.rows[0].root = token
-                _record(row, pending, started, 0, queued)
-                return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
+            drafts, accepted, token = read
             state.target.rollback(state.cache, pending.positions - accepted - 1)
             state.tokens.extend([row.root, *drafts[:accepted]])
             kept.append(accepted + 1)
@@ -408,8 +419,7 @@ def _settle(
             commit = Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1)
             _record(row, pending, started, accepted)
         else:
-            choices = read.pop(0) if row.choices is not None else None
-            commit, path = _walk(row, choices)
+            commit, path = _walk(row, read[0] if read else None)
             keep_path(state.cache, row.start, path)
             state.tokens.extend([row.tree.tokens[node] for node in path])
             kept.append(path)
@@ -418,6 +428,14 @@ def _settle(
         commits.append((row.reply, commit))
     _observe(pending, kept)
     return commits
+
+
+def _read_rows(rows: list[Row]) -> list[list]:
+    """What each row's settling reads (`_read`), as Python values, in one read of the device."""
+    parts = [_read(row) for row in rows]
+    flat = [p for row_parts in parts for p in row_parts]
+    values = iter(read_together(flat, mx.int32) if flat else [])
+    return [[next(values).tolist() for _ in row_parts] for row_parts in parts]
 
 
 def _queue_next(

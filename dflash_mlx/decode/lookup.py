@@ -4,15 +4,13 @@ Text repeats itself: code reuses its identifiers, answers quote the question,
 lists repeat their shape. The continuation of the latest earlier occurrence of
 the last two tokens (else of the last one) is a chain of candidates that costs no
 forward to propose; grafted onto the drafter's tree (`tree.graft`), the target
-verifies it with the tree's other nodes, so the output never changes. On the
-shipped SmolLM2 drafter, over the bench suite's prompts, a tree of 8 nodes with it
-accepted as many tokens as one of 16 without it (benchmarks/README.md, "Prompt
-lookup in trees").
+verifies it with the tree's other nodes, so the output never changes. What it buys
+is measured in benchmarks/README.md ("Prompt lookup in trees").
 
 Each chain token needs a probability for the tree's best-first order: the share
 of such tokens the target accepted so far, counted apart for a chain's first
 token and the later ones (accepted only after their predecessor was), from priors
-measured with SmolLM2-135M (0.42 and 0.65 over 42 prompts).
+measured with the shipped drafter (`PRIORS`).
 """
 
 from __future__ import annotations

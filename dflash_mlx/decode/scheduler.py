@@ -30,9 +30,8 @@ from ..models.draft import DFlashDraft
 from ..models.rows import batchable
 from ..models.target import TargetAdapter
 from . import cycle, proposers
-from .adaptive import AdaptiveStrategy, Plan, for_rows
 from .cycle import Commit, Pending, Reply
-from .plan import FixedPlan, Policy
+from .plan import FIRST, FixedPlan, Policy, resolve_width
 
 T = TypeVar("T")
 
@@ -60,9 +59,6 @@ def prefill(reply: Reply, start: int) -> None:
     state.prompt_cache.tokens = prompt[:-1]
 
 
-FIRST = FixedPlan(Plan(0))  # a reply's first cycle: the target's token after its prompt
-
-
 @dataclass
 class ByWidth:
     """The policies of a batch's shared cycles, by number of rows and what they were made
@@ -71,7 +67,7 @@ class ByWidth:
     adaptive reply's width starts from its policy (what it learned alone, or at the nearest
     width measured), a fixed chain or tree from an `AdaptiveStrategy` up to it (chains and
     trees of at most as many drafts); each keeps what was learned of acceptance and measures
-    the costs of its own cycles (`adaptive.for_rows`). A reply that drafts nothing, or has
+    the costs of its own cycles (`plan.resolve_width`). A reply that drafts nothing, or has
     no drafter to draft chains with, keeps its own plan."""
 
     policies: dict[tuple[int, tuple], Policy] = field(default_factory=dict)
@@ -84,18 +80,13 @@ class ByWidth:
         fixed = own.fixed if isinstance(own, FixedPlan) else None
         if fixed is not None and (not fixed.drafts or reply.state.proposer.drafting is None):
             return own
-        setting = own.setting if fixed is None else ("fixed", fixed, reply.depth)
+        setting = own.setting if fixed is None else ("fixed", fixed, reply.plan.depth)
         if (rows, setting) not in self.policies:
             widths = [width for width, known in self.policies if known == setting]
             nearest = min(widths, key=lambda width: abs(width - rows), default=None)
-            if nearest is not None:
-                start = self.policies[nearest, setting]
-            elif fixed is not None:
-                budget = fixed.drafts if fixed.tree else 0
-                start = AdaptiveStrategy(min(reply.depth, fixed.drafts) + 1, tree_budget=budget)
-            else:
-                start = own
-            self.policies[rows, setting] = for_rows(start, rows)
+            start = None if nearest is None else self.policies[nearest, setting]
+            depth = 0 if fixed is None else reply.plan.depth  # a fixed tree's, for its width's
+            self.policies[rows, setting] = resolve_width(own, depth, rows, start)
         return self.policies[rows, setting]
 
 

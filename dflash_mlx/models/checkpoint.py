@@ -174,11 +174,13 @@ def init_draft(
     seed: int = 0,
     kernels: str = "auto",
     context_window: int | None = None,
+    lazy: bool = False,
 ) -> DFlashDraft:
     """A randomly initialised drafter shaped for `model` (for training or cost measurements).
 
     Attention and MLP shapes follow the target's own layers; the tapped target
-    layers are spread as in the published drafters.
+    layers are spread as in the published drafters. `lazy` leaves the weights unevaluated,
+    for measurements that only build graphs (nothing allocated).
     """
     target = TargetAdapter(model)
     args = getattr(model, "args", None)
@@ -207,7 +209,8 @@ def init_draft(
     mx.random.seed(seed)
     draft = DFlashDraft(config, kernels, context_window)
     draft.set_dtype(default_dtype() or mx.bfloat16)
-    mx.eval(draft.parameters())
+    if not lazy:
+        mx.eval(draft.parameters())
     return draft
 
 
