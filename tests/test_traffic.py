@@ -11,6 +11,7 @@ from test_server import MODEL, PROMPTS, openai_client, running_server
 import dflash_mlx
 from dflash_mlx import cli
 from dflash_mlx.chat_format import chat_prompt, encode_prompt
+from dflash_mlx.paths import cache_dir
 from dflash_mlx.train.data import lockstep_replies, read_records
 from dflash_mlx.train.prompts import build_prompts
 
@@ -55,14 +56,19 @@ def test_recording_is_off_unless_asked(make_pair, tmp_path, monkeypatch):
     not in the cache directory."""
     target, draft = make_pair(MODEL)
     monkeypatch.chdir(tmp_path)
+
+    def kept() -> dict:  # every records file there may be, with its size and time
+        files = [*tmp_path.rglob("replies.jsonl"), *cache_dir().rglob("replies.jsonl")]
+        return {f: (f.stat().st_size, f.stat().st_mtime_ns) for f in files}
+
+    before = kept()
     log = tmp_path / "server.log"
     with running_server(target, draft, log) as (port, _, _):
         openai_client(port).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4
         )
     assert "--record" not in log.read_text()
-    assert not list(tmp_path.rglob("replies.jsonl"))
-    assert not list(dflash_mlx.paths.cache_dir().rglob("replies.jsonl"))
+    assert kept() == before
 
 
 def test_finetune_from_conversations_writes_a_lossless_drafter(make_pair, tmp_path, capsys):
