@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -28,7 +26,6 @@ from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, wor
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
 from .models.target import load
-from .response import GenerationResponse
 from .settings import PREFILL_STEP, GenerationSettings
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
@@ -444,69 +441,3 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("not a JSON object")
     return value
-
-
-@dataclass
-class ReplyStats:
-    """Counters over one reply's responses.
-
-    The first response carries the prefill's token, so τ (committed tokens per
-    verify cycle) counts the responses after it.
-    """
-
-    start: float = field(default_factory=time.perf_counter)
-    ttft: float = 0.0
-    cycles: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    text: str = ""
-    last: GenerationResponse | None = None
-
-    def add(self, response: GenerationResponse) -> None:
-        if self.last is None:
-            self.ttft = time.perf_counter() - self.start
-        else:
-            self.cycles += 1
-        self.accepted += response.accepted
-        self.proposed += response.proposed
-        self.text += response.text
-        self.last = response
-
-    @property
-    def tokens(self) -> int:
-        return self.last.generation_tokens if self.last else 0
-
-    @property
-    def tau(self) -> float:
-        return (self.tokens - 1) / self.cycles if self.cycles else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        last = self.last
-        return {
-            "prompt_tokens": last.prompt_tokens if last else 0,
-            "prompt_tps": last.prompt_tps if last else 0.0,
-            "generation_tokens": self.tokens,
-            "generation_tps": last.generation_tps if last else 0.0,
-            "ttft": self.ttft,
-            "cycles": self.cycles,
-            "tau": self.tau,
-            "accepted": self.accepted,
-            "proposed": self.proposed,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "peak_memory_gb": last.peak_memory if last else 0.0,
-            "finish_reason": last.finish_reason if last else None,
-            **(last.drafting.as_dict() if last and last.drafting else {}),
-        }
-
-    def summary(self) -> str:
-        d = self.as_dict()
-        return (
-            f"{d['generation_tokens']} tokens, {d['generation_tps']:.1f} tok/s, "
-            f"τ {d['tau']:.2f}, {d['acceptance_rate']:.0%} accepted{self.drafting()}, "
-            f"TTFT {d['ttft'] * 1000:.0f} ms, prompt {d['prompt_tokens']} tokens"
-        )
-
-    def drafting(self) -> str:
-        """The cycles by kind, and when and why drafting was off, as " (...)" ("" if unknown)."""
-        drafting = self.last.drafting if self.last else None
-        return f" ({drafting.summary()})" if drafting else ""

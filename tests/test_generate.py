@@ -3,9 +3,10 @@
 import time
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
-from helpers import BlockByBlock, copy_dir, reference_greedy, set_eos
+from helpers import BlockByBlock, copy_dir, parse_mlx_lm_verbose, reference_greedy, set_eos
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -203,12 +204,17 @@ def test_prompt_types_agree(loaded):
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_generate_returns_text_and_prints_stats(loaded, capsys):
+def test_generate_verbose_prints_mlx_lm_stats_then_what_drafting_did(loaded, capsys):
     model, tokenizer, draft = loaded("llama-tied-gqa")
+    mlx_lm.generate(model, tokenizer, "Alice has", max_tokens=10, verbose=True)
+    theirs = parse_mlx_lm_verbose(capsys.readouterr().out)
     text = dflash_mlx.generate(model, draft, tokenizer, "Alice has", max_tokens=10, verbose=True)
-    out = capsys.readouterr().out
-    assert text and text in out
-    assert "Generation: 10 tokens" in out and "Acceptance:" in out
+    ours = parse_mlx_lm_verbose(capsys.readouterr().out)
+    assert ours["reply"] == theirs["reply"] == text
+    for count in ("prompt_tokens", "generation_tokens"):
+        assert ours[count] == theirs[count]
+    assert ours["prompt_tps"] > 0 and ours["generation_tps"] > 0 and ours["peak_memory"] > 0
+    assert ours["rest"].startswith("Speculation: ") and ours["rest"].count("\n") == 1
 
 
 def test_sampling_runs_and_is_reproducible(loaded):

@@ -14,7 +14,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, parse_mlx_lm_verbose
 from mlx.utils import tree_flatten
 from mlx_lm import cli as mlx_lm_cli
 from test_cli import dflash, dflash_in_process
@@ -242,6 +242,32 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     assert (child.returncode, child.stdout, child.stderr) == (0, replies[0], "")
     assert replies[0] == tokenizer.decode(tokens[: tokens.index(stop)]) + "\n"
     assert replies[3] != replies[2]  # the adapter changed the reply
+
+
+def test_generate_prints_mlx_lm_stats_lines_then_what_drafting_did(make_pair):
+    """Verbose (the default), stdout holds what mlx_lm.generate prints, parsed in its wording:
+    the same reply between its rules, its three stats lines with the same counts, then one
+    line on speculation whose numbers agree with them; stderr only the loading line."""
+    target, draft = make_pair("llama-tied-gqa")
+    line = f"--model {target} --prompt 'Alice has' -m 12 --ignore-chat-template"
+    theirs = parse_mlx_lm_verbose(mlx_lm_generate(line))
+    out = dflash(f"generate {line} --draft-model {draft} --num-draft-tokens 3")
+    assert out.returncode == 0 and out.stderr.startswith("loading "), out.stderr
+    ours = parse_mlx_lm_verbose(out.stdout)
+    assert (ours["reply"], ours["prompt_tokens"]) == (theirs["reply"], theirs["prompt_tokens"])
+    assert ours["generation_tokens"] == theirs["generation_tokens"] == 12
+    assert ours["prompt_tps"] > 0 and ours["generation_tps"] > 0 and ours["peak_memory"] > 0
+    speculation = re.fullmatch(
+        r"Speculation: (\d+\.\d\d) tokens per verify cycle over (\d+) cycles, (\d+) of "
+        r"(\d+) tokens from accepted drafts \((.+)\), first token after \d+ ms\n",
+        ours["rest"],
+    )
+    assert speculation, ours["rest"]
+    *numbers, kinds = speculation.groups()
+    tau, cycles, accepted, tokens = map(float, numbers)
+    by_kind = [int(n) for n in re.findall(r"(?:chains|trees|plain) (\d+)", kinds)]
+    assert tokens == 12 and sum(by_kind) == cycles and round((tokens - 1) / cycles, 2) == tau
+    assert accepted <= tokens - 1 - cycles  # each cycle commits its accepted drafts and one more
 
 
 def test_serve_says_it_is_loading_before_it_is_ready(make_pair, tmp_path):

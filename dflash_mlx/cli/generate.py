@@ -1,7 +1,8 @@
 """`dflash-mlx generate`: one prompt in, one reply out, like `mlx_lm.generate`.
 
-The reply streams to stdout and the stats go to stderr, so the output can be
-piped; `--json` prints one JSON object with the text and the stats instead.
+The reply streams to stdout between mlx_lm.generate's rules, followed by its stats lines and
+one on what drafting did; `--verbose False` prints the reply alone, for a pipe, and `--json`
+one JSON object with the text and the stats.
 Under `mlx.launch` the target is sharded over the ranks and rank 0 alone reads
 the prompt and writes the reply.
 
@@ -22,7 +23,6 @@ from ..generate import stream_generate
 from ..models.distributed import Lockstep, broadcast_text, is_rank0, world_group
 from ..options import (
     PrefillProgress,
-    ReplyStats,
     add_cache_file_argument,
     add_model_arguments,
     add_prompt_arguments,
@@ -31,6 +31,7 @@ from ..options import (
     load_models,
     say,
 )
+from ..response import RULE, ReplyStats
 
 
 def true_unless_false(text: str) -> bool:
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> None:
         say(args, "note: --system-prompt is not used without the chat template")
     stats = ReplyStats()
     settings = generation_settings(args)
-    progress = PrefillProgress() if args.verbose and is_rank0(group) else None
+    rank0 = is_rank0(group)
+    progress = PrefillProgress() if args.verbose and rank0 else None
     responses = stream_generate(
         model,
         draft,
@@ -111,15 +113,18 @@ def run(args: argparse.Namespace) -> None:
         prompt_progress_callback=progress,
     )
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
+    show = rank0 and not args.json
+    if show and args.verbose:
+        print(RULE)
     for response in lockstep.steps(stop_at_strings(responses, args.stop)):
         stats.add(response)
-        if not args.json and is_rank0(group):
+        if show:
             print(response.text, end="", flush=True)
-    if not is_rank0(group):
+    if not rank0:
         return
     if args.json:
         print(json.dumps({"text": stats.text, **stats.as_dict()}))
         return
     print()
     if args.verbose:
-        print(stats.summary(), file=sys.stderr)
+        print(stats.verbose_report())
