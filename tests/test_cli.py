@@ -160,7 +160,8 @@ def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
 
 def test_no_draft_sampling_follows_the_seed(make_pair):
     target, _ = make_pair("llama-tied-gqa")
-    run = "generate --model {} --no-draft --no-chat-template -p 'Alice' -m 24 --temp 2 --seed {}"
+    run = "generate --model {} --no-draft --no-chat-template -p Alice -m 24 --temp 2 --seed {}"
+    run += " --verbose False"  # the reply alone: the stats hold timings
     outs = [dflash_in_process(run.format(target, seed)) for seed in (1, 1, 2)]
     assert all(out.returncode == 0 for out in outs), outs[-1].stderr
     assert outs[0].stdout == outs[1].stdout != outs[2].stdout
@@ -202,7 +203,7 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
     commands = [
         "train --help",
         "info",
-        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12",
+        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12 --verbose F",
         f"serve --model {target} --no-draft",
     ]
     # one child runs them all: a shadowed package fails every import of it, not just the first
@@ -289,7 +290,7 @@ def test_chat_without_a_chat_template_answers_in_plain_role_format(no_template_p
 
 def test_generate_without_a_chat_template_continues_the_raw_prompt(no_template_pair, loaded):
     target, draft = no_template_pair
-    command = f"generate --model {target} --draft {draft} -p 'Alice has' -m 12"
+    command = f"generate --model {target} --draft {draft} -p 'Alice has' -m 12 --verbose False"
     out = dflash_in_process(command)
     assert out.returncode == 0, out.stderr
     assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
