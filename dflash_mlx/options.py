@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -20,12 +21,13 @@ from tqdm import tqdm
 
 from .decode.cache_file import load_prompt_cache
 from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
+from .decode.proposers import check_compatible
 from .decode.sampling import RULES
 from .models.checkpoint import load_draft
 from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
-from .models.target import load
+from .models.target import TargetAdapter, load
 from .settings import PREFILL_STEP, GenerationSettings
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
@@ -219,6 +221,23 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     add_template_config_argument(parser)
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt `--prompt` gives, or stdin's (with `-` or without the flag), read as bytes
+    and refused in one line, before anything loads, where they are not UTF-8 text."""
+    if args.prompt in (None, "-"):
+        data, source = sys.stdin.buffer.read(), "the prompt on stdin"
+    else:  # undecodable bytes of the command line come back as they were
+        data, source = os.fsencode(args.prompt), "--prompt"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{source} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+    return text
+
+
 def add_system_prompt_argument(parser: argparse.ArgumentParser) -> None:
     """`--system-prompt` (mlx-lm's name), or `--system`."""
     parser.add_argument(
@@ -313,6 +332,8 @@ def load_models(
         if args.no_draft
         else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
+    if draft is not None:  # a drafter made for another model fails now, not at a request
+        check_compatible(TargetAdapter(model), draft)
     if group is not None:  # same draws on every rank, or their verdicts would differ
         args.seed = shared_seed(args.seed, group)
     if args.seed is not None:  # after loading, which draws random numbers (more when sharding)

@@ -17,7 +17,7 @@ from unittest import mock
 import mlx.core as mx
 import pexpect
 import pytest
-from helpers import copy_dir, mlx_lm_greedy, parse_mlx_lm_verbose
+from helpers import copy_dir, mlx_lm_greedy, parse_mlx_lm_verbose, save_target
 from test_generate import oracle_for
 
 from dflash_mlx import GenerationSettings, cli, options
@@ -76,7 +76,8 @@ def dflash_in_process(command: str, stdin: str = "") -> subprocess.CompletedProc
     """`dflash(command, stdin)` run in this process (`cli.main`), for checks of what a command
     computes: a child process would add seconds of imports and check nothing more."""
     out, err = io.StringIO(), io.StringIO()
-    with mock.patch.object(sys, "stdin", io.StringIO(stdin)), redirect_stdout(out):
+    stdin_bytes = io.TextIOWrapper(io.BytesIO(stdin.encode()))  # a pipe's: text over bytes
+    with mock.patch.object(sys, "stdin", stdin_bytes), redirect_stdout(out):
         with redirect_stderr(err):
             try:
                 cli.main(shlex.split(command))
@@ -223,6 +224,44 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
     assert serve.stderr == (
         "dflash-mlx serve: error: serving needs uvicorn, which is not installed: "
         "pip install fastapi uvicorn\n"
+    )
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line_before_loading(make_pair):
+    """From stdin or the command line (a Latin-1 file, say), for generate and cache-prompt."""
+    target, draft = make_pair("llama-tied-gqa")
+    latin1 = "Café: how much?".encode("latin-1")
+    models = ["--model", str(target), "--draft", str(draft)]
+    runs = {
+        "the prompt on stdin": (["generate", *models], latin1),
+        "--prompt": (["generate", *models, "-p", latin1], b""),
+        "the prompt on stdin ": (["cache-prompt", *models, "--prompt-cache-file", "x"], latin1),
+    }
+    for source, (argv, stdin) in runs.items():
+        cmd = [sys.executable, "-m", "dflash_mlx", *argv]
+        out = subprocess.run(cmd, input=stdin, capture_output=True, timeout=TIMEOUT)
+        assert out.returncode == 1 and out.stdout == b""
+        assert out.stderr.decode() == (
+            f"dflash-mlx {argv[0]}: error: {source.strip()} is not UTF-8 text (byte 0xe9 at "
+            "offset 3): convert it first, e.g. iconv -f latin1 -t utf-8\n"
+        )  # no loading line: nothing was loaded
+
+
+def test_a_model_as_the_drafter_or_a_drafter_for_another_model_is_one_line(make_pair, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    wider = save_target(tmp_path / "wider", hidden=128, layers=4, seed=2)
+    errors = {}
+    for name, models in (("model", (target, target)), ("other", (wider, draft))):
+        out = dflash_in_process(f"generate --model {models[0]} --draft {models[1]} -p hi -m 2")
+        assert out.returncode == 1
+        assert out.stderr.count("\n") == 2 and out.stderr.startswith("loading "), out.stderr
+        errors[name] = out.stderr.splitlines()[-1]
+    assert errors["model"].startswith(
+        f"dflash-mlx generate: error: {target} is a model, not a DFlash drafter: "
+    )
+    assert errors["other"] == (
+        "dflash-mlx generate: error: the drafter was made for another model: hidden size 64 "
+        "(the target's: 128); 6 layers (the target's: 4)"
     )
 
 

@@ -38,6 +38,7 @@ from ..options import (
     add_trust_remote_code_argument,
     cache_options,
     flagged_settings,
+    read_prompt,
 )
 from ..settings import GenerationSettings
 
@@ -92,7 +93,7 @@ def prefill(
 def run(args: argparse.Namespace) -> None:
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft to cache the target's only)")
-    text = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    text = read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     out = Path(args.prompt_cache_file)

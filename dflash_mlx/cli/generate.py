@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -29,6 +28,7 @@ from ..options import (
     generation_settings,
     load_cache_file,
     load_models,
+    read_prompt,
     say,
 )
 from ..response import RULE, ReplyStats
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     group = world_group()  # under mlx.launch: rank 0 reads the prompt and alone writes
     prompt = None
     if is_rank0(group):
-        prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+        prompt = read_prompt(args)
     prompt = broadcast_text(prompt, group)
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
