@@ -91,6 +91,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling top-p (0: off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     parser.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0: off)")
+    parser.add_argument(
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="tokens min-p sampling keeps however unlikely (as mlx-lm's)",
+    )
+    parser.add_argument(
+        "--xtc-probability",
+        type=float,
+        default=0.0,
+        help="XTC sampling: the chance, per token, that the likeliest choices above "
+        "--xtc-threshold but the least of them are excluded (0: off; exact when drafting too)",
+    )
+    parser.add_argument(
+        "--xtc-threshold",
+        type=float,
+        default=0.1,
+        help="XTC sampling: the probability from which a choice counts as a top one",
+    )
     parser.add_argument("--seed", type=int, help="random seed for sampling (default: none)")
     parser.add_argument(
         "--adaptive",
@@ -363,6 +382,9 @@ SETTING_FLAGS = {
     "block_size": "--block-size",
     "tree_budget": "--tree-budget",
     "temperature": "--temp",
+    "min_tokens_to_keep": "--min-tokens-to-keep",
+    "xtc_probability": "--xtc-probability",
+    "xtc_threshold": "--xtc-threshold",
     "acceptance": "--acceptance",
     "max_kv_size": "--max-kv-size",
     "kv_bits": "--kv-bits",
@@ -411,8 +433,12 @@ def block_size(args: argparse.Namespace) -> int | None:
     return args.block_size
 
 
-def generation_settings(args: argparse.Namespace) -> GenerationSettings:
-    """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag."""
+def generation_settings(
+    args: argparse.Namespace, tokenizer: TokenizerWrapper | None = None
+) -> GenerationSettings:
+    """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag.
+    XTC spares `tokenizer`'s newline and end-of-sequence tokens, as mlx-lm's commands do."""
+    spared = tokenizer.encode("\n") + list(tokenizer.eos_token_ids) if tokenizer else []
     return flagged_settings(
         logits_processors=make_logits_processors(**processor_settings(args)),
         block_size=block_size(args),
@@ -421,6 +447,10 @@ def generation_settings(args: argparse.Namespace) -> GenerationSettings:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tuple(spared),
         acceptance=args.acceptance,
         adaptive=args.adaptive,
         tree_budget=args.tree_budget,

@@ -96,20 +96,13 @@ COMMANDS = {
 # mlx-lm's flags (of mlx_lm.generate, chat, server, cache_prompt) that no command here takes,
 # each with why: an mlx-lm user who passes one learns that, not just "unrecognized".
 REFUSED = {
-    "--image": "dflash-mlx runs text models: there is no image input",
-    "--xtc-probability": "XTC sampling is not one of the exact speculative sampling rules "
-    "(--temp, --top-p, --top-k, --min-p are)",
-    "--xtc-threshold": "XTC sampling is not one of the exact speculative sampling rules "
-    "(--temp, --top-p, --top-k, --min-p are)",
-    "--min-tokens-to-keep": "min-p sampling keeps at least one token, as mlx-lm's default; "
-    "other values are not supported",
+    "--image": "image prompts are not supported: dflash-mlx prefills text prompts only, and "
+    "its drafters draft from text",
     "--use-default-chat-template": "transformers has no default chat templates any more; "
     "give one with serve's --chat-template",
     "--quantize-activations": "activation quantization is not supported: the target runs "
     "its layers as mlx-lm loads them",
     "-qa": "activation quantization (--quantize-activations) is not supported",
-    "--eos-token": "a cached prompt has no end of sequence: give --extra-eos-token to "
-    "generate or serve, which go on from the file",
 }
 
 

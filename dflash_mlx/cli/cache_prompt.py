@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_trust_remote_code_argument(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
+    parser.add_argument(
+        "--eos-token",
+        help="the tokenizer's end-of-sequence token, as a chat template that names it renders it "
+        "(as mlx-lm's; default: the tokenizer's own)",
+    )
     add_prompt_arguments(parser)
     add_kv_cache_arguments(parser)
 
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> None:
         args.dtype,
         trust_remote_code=args.trust_remote_code,
         adapter_path=args.adapter_path,
+        tokenizer_config={"eos_token": args.eos_token} if args.eos_token else {},
     )
     draft = None if args.no_draft else load_draft(args.draft)
     chat = args.chat_template and has_chat_template(tokenizer)

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> None:
         model,
         tokenizer,
         draft,
-        generation_settings(args),
+        generation_settings(args, tokenizer),
         args.system,
         not args.no_prompt_cache,
         args.chat_template_config,

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
     elif args.system:  # as mlx_lm.generate, which uses it only in the template, but said
         say(args, "note: --system-prompt is not used without the chat template")
     stats = ReplyStats()
-    settings = generation_settings(args)
+    settings = generation_settings(args, tokenizer)
     rank0 = is_rank0(group)
     progress = PrefillProgress() if args.verbose and rank0 else None
     responses = stream_generate(
