@@ -162,6 +162,8 @@ class Api:
             "top_p": body.top_p,
             "top_k": body.top_k,
             "min_p": body.min_p,
+            "xtc_probability": body.xtc_probability,
+            "xtc_threshold": body.xtc_threshold,
         }
         kwargs = {k: v for k, v in requested.items() if v is not None}
         max_tokens = kwargs.get("max_tokens", worker.defaults.max_tokens)
