@@ -288,6 +288,14 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
         assert re.search(r"verify forward +cpu_math exps, compiled norms and RoPE", out)
     device = mx.default_device().type.name
     assert f"{device}: {mx.device_info()['device_name']}" in out
+    rows = dict(re.split(r"  +", line, maxsplit=1) for line in out.splitlines())
+    assert rows["package"] == os.path.dirname(options.__file__)  # the files that run
+    pip = [sys.executable, "-m", "pip", "show", "dflash-mlx"]
+    shown = subprocess.run(pip, capture_output=True, text=True, timeout=TIMEOUT).stdout
+    fields = dict(line.split(": ", 1) for line in shown.splitlines() if ": " in line)
+    assert rows["distribution"].startswith(f"dflash-mlx {fields['Version']}, ")
+    if "Editable project location" in fields:  # as the README's install makes it
+        assert rows["distribution"].endswith(f"editable from {fields['Editable project location']}")
 
 
 @pytest.mark.cuda

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
+import json
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -55,6 +58,8 @@ def system_rows() -> list[tuple[str, str]]:
 
     return [
         ("dflash-mlx", __version__),
+        ("distribution", distribution()),
+        ("package", str(Path(__file__).resolve().parents[1])),
         ("python", platform.python_version()),
         ("platform", f"{platform.system()} {platform.machine()}"),
         ("mlx", mx.__version__),
@@ -77,6 +82,25 @@ def system_rows() -> list[tuple[str, str]]:
         ("dflash-mlx cache", str(cache_dir())),
         ("hugging face cache", str(HF_HUB_CACHE)),
     ]
+
+
+def distribution() -> str:
+    """The installed distribution named dflash-mlx and where it was installed from. PyPI's
+    dflash-mlx is another project with the same import name, so which one a user installed
+    matters; the package row says which files run."""
+    try:
+        dist = importlib.metadata.distribution("dflash-mlx")
+    except importlib.metadata.PackageNotFoundError:
+        return "none installed (run from a source tree)"
+    origin = json.loads(dist.read_text("direct_url.json") or "{}")
+    url = origin.get("url", "")
+    if not url:
+        where = "from a package index (PyPI's dflash-mlx is another project)"
+    elif origin.get("dir_info", {}).get("editable"):
+        where = f"editable from {url.removeprefix('file://')}"
+    else:
+        where = f"from {url.removeprefix('file://')}"
+    return f"{dist.metadata['Name']} {dist.version}, {where}"
 
 
 # Subcommands that run under mlx.launch (target sharded over the ranks, run in lockstep).
