@@ -220,6 +220,21 @@ def test_generate_verbose_prints_mlx_lm_stats_then_what_drafting_did(loaded, cap
     assert ours["rest"].startswith("Speculation: ") and ours["rest"].count("\n") == 1
 
 
+def test_a_reply_without_text_is_reported_in_mlx_lm_words(loaded, capsys):
+    """An end of sequence first: mlx_lm.generate's note instead of its stats, and ours."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    first = next(stream_generate(model, draft, tokenizer, "Alice has", max_tokens=1)).token
+    tokenizer.add_eos_token(first)
+    try:
+        mlx_lm.generate(model, tokenizer, "Alice has", max_tokens=4, verbose=True)
+        theirs = capsys.readouterr().out
+        dflash_mlx.generate(model, draft, tokenizer, "Alice has", max_tokens=4, verbose=True)
+        assert capsys.readouterr().out == theirs
+    finally:
+        tokenizer._eos_token_ids.discard(first)
+    assert theirs.endswith("==========\nNo text generated for this prompt\n")
+
+
 def test_sampling_runs_and_is_reproducible(loaded):
     model, tokenizer, draft = loaded("llama-tied-gqa")
     outs = []
