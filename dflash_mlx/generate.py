@@ -30,7 +30,7 @@ from .decode.scheduler import Batch, replies
 from .decode.settings import GenerationSettings
 from .models.draft import DFlashDraft
 from .models.target import TargetAdapter
-from .response import Drafting, GenerationResponse
+from .response import RULE, Drafting, GenerationResponse, ReplyStats
 
 __all__ = ["GenerationResponse", "PromptCache", "generate", "make_prompt_cache", "stream_generate"]
 
@@ -188,31 +188,19 @@ def generate(
     verbose: bool = False,
     **kwargs: Any,
 ) -> str:
-    """The whole generated text; with `verbose`, stream it and print stats like mlx-lm.
-    The arguments are `stream_generate`'s."""
-    text, cycles, accepted, proposed = "", 0, 0, 0
-    response = None
+    """The whole generated text; with `verbose`, stream it and print stats like mlx-lm, and
+    a line on what drafting did. The arguments are `stream_generate`'s."""
+    stats = ReplyStats()
+    if verbose:
+        print(RULE)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         if verbose:
             print(response.text, end="", flush=True)
-        text += response.text
-        cycles += 1
-        accepted += response.accepted
-        proposed += response.proposed
-    if verbose and response is not None:
+        stats.add(response)
+    if verbose:
         print()
-        print("=" * 10)
-        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-        print(
-            f"Generation: {response.generation_tokens} tokens, "
-            f"{response.generation_tps:.3f} tokens-per-sec"
-        )
-        tau = (response.generation_tokens - 1) / max(cycles - 1, 1)
-        rate = accepted / max(proposed, 1)
-        print(f"Acceptance: {tau:.2f} tokens per cycle, {rate:.1%} of draft tokens accepted")
-        print(f"Cycles: {response.drafting.summary()}")
-        print(f"Peak memory: {response.peak_memory:.3f} GB")
-    return text
+        print(stats.verbose_report())
+    return stats.text
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -22,14 +21,14 @@ from tqdm import tqdm
 
 from .decode.cache_file import load_prompt_cache
 from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
+from .decode.proposers import check_compatible
 from .decode.sampling import RULES
 from .decode.settings import PREFILL_STEP, GenerationSettings
 from .models.checkpoint import load_draft
 from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
-from .models.target import load
-from .response import GenerationResponse
+from .models.target import TargetAdapter, load
 
 DEFAULT_MAX_QUEUE = 16  # requests `serve` lets wait for the model
 DEFAULT_MAX_BATCH = 8  # requests `serve` decodes together
@@ -92,6 +91,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling top-p (0: off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     parser.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0: off)")
+    parser.add_argument(
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="tokens min-p sampling keeps however unlikely (as mlx-lm's)",
+    )
+    parser.add_argument(
+        "--xtc-probability",
+        type=float,
+        default=0.0,
+        help="XTC sampling: the chance, per token, that the likeliest choices above "
+        "--xtc-threshold but the least of them are excluded (0: off; exact when drafting too)",
+    )
+    parser.add_argument(
+        "--xtc-threshold",
+        type=float,
+        default=0.1,
+        help="XTC sampling: the probability from which a choice counts as a top one",
+    )
     parser.add_argument("--seed", type=int, help="random seed for sampling (default: none)")
     parser.add_argument(
         "--adaptive",
@@ -222,6 +240,23 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     add_template_config_argument(parser)
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt `--prompt` gives, or stdin's (with `-` or without the flag), read as bytes
+    and refused in one line, before anything loads, where they are not UTF-8 text."""
+    if args.prompt in (None, "-"):
+        data, source = sys.stdin.buffer.read(), "the prompt on stdin"
+    else:  # undecodable bytes of the command line come back as they were
+        data, source = os.fsencode(args.prompt), "--prompt"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{source} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+    return text
+
+
 def add_system_prompt_argument(parser: argparse.ArgumentParser) -> None:
     """`--system-prompt` (mlx-lm's name), or `--system`."""
     parser.add_argument(
@@ -316,6 +351,8 @@ def load_models(
         if args.no_draft
         else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
     )
+    if draft is not None:  # a drafter made for another model fails now, not at a request
+        check_compatible(TargetAdapter(model), draft)
     if group is not None:  # same draws on every rank, or their verdicts would differ
         args.seed = shared_seed(args.seed, group)
     if args.seed is not None:  # after loading, which draws random numbers (more when sharding)
@@ -345,6 +382,9 @@ SETTING_FLAGS = {
     "block_size": "--block-size",
     "tree_budget": "--tree-budget",
     "temperature": "--temp",
+    "min_tokens_to_keep": "--min-tokens-to-keep",
+    "xtc_probability": "--xtc-probability",
+    "xtc_threshold": "--xtc-threshold",
     "acceptance": "--acceptance",
     "max_kv_size": "--max-kv-size",
     "kv_bits": "--kv-bits",
@@ -393,8 +433,12 @@ def block_size(args: argparse.Namespace) -> int | None:
     return args.block_size
 
 
-def generation_settings(args: argparse.Namespace) -> GenerationSettings:
-    """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag."""
+def generation_settings(
+    args: argparse.Namespace, tokenizer: TokenizerWrapper | None = None
+) -> GenerationSettings:
+    """The `stream_generate` settings the flags ask for; a bad one's ValueError names its flag.
+    XTC spares `tokenizer`'s newline and end-of-sequence tokens, as mlx-lm's commands do."""
+    spared = tokenizer.encode("\n") + list(tokenizer.eos_token_ids) if tokenizer else []
     return flagged_settings(
         logits_processors=make_logits_processors(**processor_settings(args)),
         block_size=block_size(args),
@@ -403,6 +447,10 @@ def generation_settings(args: argparse.Namespace) -> GenerationSettings:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tuple(spared),
         acceptance=args.acceptance,
         adaptive=args.adaptive,
         tree_budget=args.tree_budget,
@@ -444,69 +492,3 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("not a JSON object")
     return value
-
-
-@dataclass
-class ReplyStats:
-    """Counters over one reply's responses.
-
-    The first response carries the prefill's token, so τ (committed tokens per
-    verify cycle) counts the responses after it.
-    """
-
-    start: float = field(default_factory=time.perf_counter)
-    ttft: float = 0.0
-    cycles: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    text: str = ""
-    last: GenerationResponse | None = None
-
-    def add(self, response: GenerationResponse) -> None:
-        if self.last is None:
-            self.ttft = time.perf_counter() - self.start
-        else:
-            self.cycles += 1
-        self.accepted += response.accepted
-        self.proposed += response.proposed
-        self.text += response.text
-        self.last = response
-
-    @property
-    def tokens(self) -> int:
-        return self.last.generation_tokens if self.last else 0
-
-    @property
-    def tau(self) -> float:
-        return (self.tokens - 1) / self.cycles if self.cycles else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        last = self.last
-        return {
-            "prompt_tokens": last.prompt_tokens if last else 0,
-            "prompt_tps": last.prompt_tps if last else 0.0,
-            "generation_tokens": self.tokens,
-            "generation_tps": last.generation_tps if last else 0.0,
-            "ttft": self.ttft,
-            "cycles": self.cycles,
-            "tau": self.tau,
-            "accepted": self.accepted,
-            "proposed": self.proposed,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "peak_memory_gb": last.peak_memory if last else 0.0,
-            "finish_reason": last.finish_reason if last else None,
-            **(last.drafting.as_dict() if last and last.drafting else {}),
-        }
-
-    def summary(self) -> str:
-        d = self.as_dict()
-        return (
-            f"{d['generation_tokens']} tokens, {d['generation_tps']:.1f} tok/s, "
-            f"τ {d['tau']:.2f}, {d['acceptance_rate']:.0%} accepted{self.drafting()}, "
-            f"TTFT {d['ttft'] * 1000:.0f} ms, prompt {d['prompt_tokens']} tokens"
-        )
-
-    def drafting(self) -> str:
-        """The cycles by kind, and when and why drafting was off, as " (...)" ("" if unknown)."""
-        drafting = self.last.drafting if self.last else None
-        return f" ({drafting.summary()})" if drafting else ""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -117,3 +119,98 @@ class GenerationResponse:
     def token(self) -> int:
         """The last committed token, as in mlx-lm's response."""
         return self.tokens[-1]
+
+
+RULE = "=" * 10  # what mlx_lm.generate prints before and after the reply when verbose
+
+
+@dataclass
+class ReplyStats:
+    """Counters over one reply's responses.
+
+    The first response carries the prefill's token, so τ (committed tokens per
+    verify cycle) counts the responses after it.
+    """
+
+    start: float = field(default_factory=time.perf_counter)
+    ttft: float = 0.0
+    cycles: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    text: str = ""
+    last: GenerationResponse | None = None
+
+    def add(self, response: GenerationResponse) -> None:
+        if self.last is None:
+            self.ttft = time.perf_counter() - self.start
+        else:
+            self.cycles += 1
+        self.accepted += response.accepted
+        self.proposed += response.proposed
+        self.text += response.text
+        self.last = response
+
+    @property
+    def tokens(self) -> int:
+        return self.last.generation_tokens if self.last else 0
+
+    @property
+    def tau(self) -> float:
+        return (self.tokens - 1) / self.cycles if self.cycles else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "prompt_tokens": last.prompt_tokens if last else 0,
+            "prompt_tps": last.prompt_tps if last else 0.0,
+            "generation_tokens": self.tokens,
+            "generation_tps": last.generation_tps if last else 0.0,
+            "ttft": self.ttft,
+            "cycles": self.cycles,
+            "tau": self.tau,
+            "accepted": self.accepted,
+            "proposed": self.proposed,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "peak_memory_gb": last.peak_memory if last else 0.0,
+            "finish_reason": last.finish_reason if last else None,
+            **(last.drafting.as_dict() if last and last.drafting else {}),
+        }
+
+    def verbose_report(self) -> str:
+        """What follows the reply where mlx_lm.generate is verbose: its rule, then its three
+        stats lines as it words and rounds them (or its note that there was no text), so
+        that what parses its output parses ours; then a line on what drafting did."""
+        if not self.text:
+            return f"{RULE}\nNo text generated for this prompt"
+        d = self.as_dict()
+        return (
+            f"{RULE}\n"
+            f"Prompt: {d['prompt_tokens']} tokens, {d['prompt_tps']:.3f} tokens-per-sec\n"
+            f"Generation: {d['generation_tokens']} tokens, "
+            f"{d['generation_tps']:.3f} tokens-per-sec\n"
+            f"Peak memory: {d['peak_memory_gb']:.3f} GB\n"
+            f"{self.speculation()}"
+        )
+
+    def speculation(self) -> str:
+        """What drafting did, in plain words: tokens per verify cycle, how many of the reply's
+        tokens came from accepted drafts, the kinds of cycle, the time to the first token."""
+        return (
+            f"Speculation: {self.tau:.2f} tokens per verify cycle over {self.cycles} cycles, "
+            f"{self.accepted} of {self.tokens} tokens from accepted drafts{self.drafting()}, "
+            f"first token after {self.ttft * 1000:.0f} ms"
+        )
+
+    def summary(self) -> str:
+        """One line for a turn of `chat`."""
+        d = self.as_dict()
+        return (
+            f"{d['generation_tokens']} tokens, {d['generation_tps']:.1f} tok/s, "
+            f"τ {d['tau']:.2f}, {self.accepted} from accepted drafts{self.drafting()}, "
+            f"TTFT {d['ttft'] * 1000:.0f} ms, prompt {d['prompt_tokens']} tokens"
+        )
+
+    def drafting(self) -> str:
+        """The cycles by kind, and when and why drafting was off, as " (...)" ("" if unknown)."""
+        drafting = self.last.drafting if self.last else None
+        return f" ({drafting.summary()})" if drafting else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -460,3 +461,25 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
         assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
         assert shared[i].nodes == own_lookup.nodes
     assert any(lookup.nodes for lookup in shared)  # the lookups grafted something
+
+
+# mlx_lm.generate's verbose output, in its own wording: the reply between two rules, then
+# its three stats lines; whatever follows is left in "rest".
+MLX_LM_VERBOSE = re.compile(
+    r"==========\n(?P<reply>.*)\n==========\n"
+    r"Prompt: (?P<prompt_tokens>\d+) tokens, (?P<prompt_tps>\d+\.\d{3}) tokens-per-sec\n"
+    r"Generation: (?P<generation_tokens>\d+) tokens, "
+    r"(?P<generation_tps>\d+\.\d{3}) tokens-per-sec\n"
+    r"Peak memory: (?P<peak_memory>\d+\.\d{3}) GB\n(?P<rest>.*)",
+    re.S,
+)
+
+
+def parse_mlx_lm_verbose(output: str) -> dict:
+    """The reply and stats of what mlx_lm.generate prints when verbose, parsed as a script
+    that reads its output would; fails where the output does not have its shape."""
+    match = MLX_LM_VERBOSE.fullmatch(output)
+    assert match, f"not mlx_lm.generate's verbose output:\n{output}"
+    found = match.groupdict()
+    numbers = {k: float(v) for k, v in found.items() if k not in ("reply", "rest")}
+    return {**found, **numbers}

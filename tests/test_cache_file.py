@@ -14,9 +14,10 @@ import mlx.core as mx
 import pytest
 import test_families
 import test_kv_cache_options
-from helpers import reference_greedy
+from helpers import CHAT_TEMPLATE, copy_dir, reference_greedy
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+from mlx_lm.utils import load_tokenizer
 from test_cli import decode_greedy, detokenized, dflash, dflash_in_process
 from test_families import build, prompt_of, run
 from test_staging import dead_pid, staged_by
@@ -191,6 +192,27 @@ def test_cache_prompt_then_generate_goes_on_from_it(make_pair, loaded, tmp_path)
     assert refusal(argv, TEXT_QUESTION) == (
         f"dflash-mlx generate: error: {path} was made for another target model (or another dtype)"
     )
+
+
+def test_cache_prompt_eos_token_is_the_one_the_chat_template_renders(make_pair, tmp_path):
+    """mlx-lm's `--eos-token`: the tokenizer's end of sequence, as a template naming it renders."""
+    target, draft = make_pair("llama-tied-gqa")
+    model = copy_dir(target, tmp_path / "eos-template")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ eos_token }}" + CHAT_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    first = {}
+    for eos in ("", "<|im_end|>"):
+        path = tmp_path / f"doc{len(eos)}.safetensors"
+        flag = f"--eos-token '{eos}'" if eos else ""
+        made = dflash_in_process(
+            f"cache-prompt --model {model} --draft {draft} --prompt-cache-file {path} {flag}", "Hi"
+        )
+        assert made.returncode == 0, made.stderr
+        first[eos] = json.loads(mx.load(str(path), return_metadata=True)[1]["tokens"])[0]
+    tokenizer = load_tokenizer(model)
+    assert first[""] == tokenizer.convert_tokens_to_ids("</s>")
+    assert first["<|im_end|>"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
 KV_FLAGS = {  # mlx-lm's cache flags, and the options they set

@@ -17,7 +17,7 @@ from unittest import mock
 import mlx.core as mx
 import pexpect
 import pytest
-from helpers import copy_dir, mlx_lm_greedy
+from helpers import copy_dir, mlx_lm_greedy, parse_mlx_lm_verbose, save_target
 from test_generate import oracle_for
 
 from dflash_mlx import GenerationSettings, cli, options
@@ -76,7 +76,8 @@ def dflash_in_process(command: str, stdin: str = "") -> subprocess.CompletedProc
     """`dflash(command, stdin)` run in this process (`cli.main`), for checks of what a command
     computes: a child process would add seconds of imports and check nothing more."""
     out, err = io.StringIO(), io.StringIO()
-    with mock.patch.object(sys, "stdin", io.StringIO(stdin)), redirect_stdout(out):
+    stdin_bytes = io.TextIOWrapper(io.BytesIO(stdin.encode()))  # a pipe's: text over bytes
+    with mock.patch.object(sys, "stdin", stdin_bytes), redirect_stdout(out):
         with redirect_stderr(err):
             try:
                 cli.main(shlex.split(command))
@@ -96,14 +97,16 @@ def test_generate_json_from_stdin_equals_greedy(make_pair, loaded):
     assert result["proposed"] > 0 and result["tau"] >= 1 and result["ttft"] > 0
 
 
-def test_generate_no_draft_plain_prompt_streams_text_with_stats_on_stderr(make_pair, loaded):
+def test_generate_no_draft_plain_prompt_streams_text_then_says_drafting_was_off(make_pair, loaded):
     target, _ = make_pair("llama-tied-gqa")
     out = dflash(f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12")
     assert out.returncode == 0, out.stderr
     text, n = greedy_text(loaded, "Alice has", 12, chat=False)
-    assert out.stdout == text + "\n"
-    assert f"{n} tokens" in out.stderr and "tok/s" in out.stderr and "τ 1.00" in out.stderr
-    assert f"(plain {n - 1}; off since cycle 1: no drafter)" in out.stderr
+    ours = parse_mlx_lm_verbose(out.stdout)
+    assert ours["reply"] == text and ours["generation_tokens"] == n
+    assert ours["rest"].startswith(f"Speculation: 1.00 tokens per verify cycle over {n - 1} ")
+    assert f"0 of {n} tokens from accepted drafts" in ours["rest"]
+    assert f"(plain {n - 1}; off since cycle 1: no drafter)" in ours["rest"]
 
 
 def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pair, loaded, capsys):
@@ -158,7 +161,8 @@ def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
 
 def test_no_draft_sampling_follows_the_seed(make_pair):
     target, _ = make_pair("llama-tied-gqa")
-    run = "generate --model {} --no-draft --no-chat-template -p 'Alice' -m 24 --temp 2 --seed {}"
+    run = "generate --model {} --no-draft --no-chat-template -p Alice -m 24 --temp 2 --seed {}"
+    run += " --verbose False"  # the reply alone: the stats hold timings
     outs = [dflash_in_process(run.format(target, seed)) for seed in (1, 1, 2)]
     assert all(out.returncode == 0 for out in outs), outs[-1].stderr
     assert outs[0].stdout == outs[1].stdout != outs[2].stdout
@@ -200,7 +204,7 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
     commands = [
         "train --help",
         "info",
-        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12",
+        f"generate --model {target} --no-draft --no-chat-template -p 'Alice has' -m 12 --verbose F",
         f"serve --model {target} --no-draft",
     ]
     # one child runs them all: a shadowed package fails every import of it, not just the first
@@ -220,6 +224,44 @@ def test_every_command_but_serve_runs_without_the_web_stack(make_pair, loaded, t
     assert serve.stderr == (
         "dflash-mlx serve: error: serving needs uvicorn, which is not installed: "
         "pip install fastapi uvicorn\n"
+    )
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line_before_loading(make_pair):
+    """From stdin or the command line (a Latin-1 file, say), for generate and cache-prompt."""
+    target, draft = make_pair("llama-tied-gqa")
+    latin1 = "Café: how much?".encode("latin-1")
+    models = ["--model", str(target), "--draft", str(draft)]
+    runs = {
+        "the prompt on stdin": (["generate", *models], latin1),
+        "--prompt": (["generate", *models, "-p", latin1], b""),
+        "the prompt on stdin ": (["cache-prompt", *models, "--prompt-cache-file", "x"], latin1),
+    }
+    for source, (argv, stdin) in runs.items():
+        cmd = [sys.executable, "-m", "dflash_mlx", *argv]
+        out = subprocess.run(cmd, input=stdin, capture_output=True, timeout=TIMEOUT)
+        assert out.returncode == 1 and out.stdout == b""
+        assert out.stderr.decode() == (
+            f"dflash-mlx {argv[0]}: error: {source.strip()} is not UTF-8 text (byte 0xe9 at "
+            "offset 3): convert it first, e.g. iconv -f latin1 -t utf-8\n"
+        )  # no loading line: nothing was loaded
+
+
+def test_a_model_as_the_drafter_or_a_drafter_for_another_model_is_one_line(make_pair, tmp_path):
+    target, draft = make_pair("llama-tied-gqa")
+    wider = save_target(tmp_path / "wider", hidden=128, layers=4, seed=2)
+    errors = {}
+    for name, models in (("model", (target, target)), ("other", (wider, draft))):
+        out = dflash_in_process(f"generate --model {models[0]} --draft {models[1]} -p hi -m 2")
+        assert out.returncode == 1
+        assert out.stderr.count("\n") == 2 and out.stderr.startswith("loading "), out.stderr
+        errors[name] = out.stderr.splitlines()[-1]
+    assert errors["model"].startswith(
+        f"dflash-mlx generate: error: {target} is a model, not a DFlash drafter: "
+    )
+    assert errors["other"] == (
+        "dflash-mlx generate: error: the drafter was made for another model: hidden size 64 "
+        "(the target's: 128); 6 layers (the target's: 4)"
     )
 
 
@@ -246,6 +288,14 @@ def test_draft_is_required_unless_no_draft_and_info_runs(make_pair, capsys):
         assert re.search(r"verify forward +cpu_math exps, compiled norms and RoPE", out)
     device = mx.default_device().type.name
     assert f"{device}: {mx.device_info()['device_name']}" in out
+    rows = dict(re.split(r"  +", line, maxsplit=1) for line in out.splitlines())
+    assert rows["package"] == os.path.dirname(options.__file__)  # the files that run
+    pip = [sys.executable, "-m", "pip", "show", "dflash-mlx"]
+    shown = subprocess.run(pip, capture_output=True, text=True, timeout=TIMEOUT).stdout
+    fields = dict(line.split(": ", 1) for line in shown.splitlines() if ": " in line)
+    assert rows["distribution"].startswith(f"dflash-mlx {fields['Version']}, ")
+    if "Editable project location" in fields:  # as the README's install makes it
+        assert rows["distribution"].endswith(f"editable from {fields['Editable project location']}")
 
 
 @pytest.mark.cuda
@@ -287,7 +337,7 @@ def test_chat_without_a_chat_template_answers_in_plain_role_format(no_template_p
 
 def test_generate_without_a_chat_template_continues_the_raw_prompt(no_template_pair, loaded):
     target, draft = no_template_pair
-    command = f"generate --model {target} --draft {draft} -p 'Alice has' -m 12"
+    command = f"generate --model {target} --draft {draft} -p 'Alice has' -m 12 --verbose False"
     out = dflash_in_process(command)
     assert out.returncode == 0, out.stderr
     assert out.stdout == greedy_text(loaded, "Alice has", 12, chat=False)[0] + "\n"
@@ -431,7 +481,8 @@ def test_chat_reports_the_known_tau_of_an_oracle_drafter(loaded, capsys):
     Chat(model, tokenizer, oracle, GenerationSettings(max_tokens=21, block_size=4), None, True).ask(
         "Alice has"
     )
-    assert f"τ {tau:.2f}, 100% accepted" in capsys.readouterr().out
+    drafted = 20 - round(20 / tau)  # each cycle commits its accepted drafts and one more
+    assert f"τ {tau:.2f}, {drafted} from accepted drafts" in capsys.readouterr().out
 
 
 def test_chat_prompt_cache_is_lossless_and_prefills_less(loaded, capsys):

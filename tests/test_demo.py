@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+from helpers import copy_dir, set_eos
 from test_families import build
 
 from dflash_mlx import load, load_draft, stream_generate
@@ -31,10 +32,23 @@ def test_demo_streams_a_reply_and_compares_with_mlx_lm(make_pair, capsys):
     demo.run(demo_args(model=target, draft=str(draft), prompt="Add two numbers.", max_tokens=24))
     out = capsys.readouterr().out
     assert out.startswith("> Add two numbers.")
+    assert "\n[cut at 24 tokens: --max-tokens]\n\n" in out  # the reply did not end by itself
     lines = out.splitlines()
     assert any(line.startswith("DFlash :") and "tau" in line for line in lines)
     assert any(line.startswith("mlx-lm :") and "output identical" in line for line in lines)
     assert lines[-1].startswith("speedup: ") and lines[-1].endswith("x")
+
+
+def test_demo_says_nothing_of_a_cut_where_the_reply_ended_by_itself(make_pair, tmp_path, capsys):
+    target, draft = make_pair("llama-tied-gqa")
+    model, tokenizer = load(target)
+    ids = render(tokenizer, "Add two numbers.", chat=True)
+    responses = stream_generate(model, None, tokenizer, ids, max_tokens=8)
+    reply = [t for r in responses for t in r.tokens]
+    ending = copy_dir(target, tmp_path / "ending")
+    set_eos(ending, reply[3])  # its fourth reply token ends the reply
+    demo.run(demo_args(model=ending, draft=str(draft), prompt="Add two numbers.", max_tokens=24))
+    assert "[cut at" not in capsys.readouterr().out
 
 
 def test_demo_verifies_trees_or_the_chain(make_pair, capsys):

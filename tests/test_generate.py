@@ -3,9 +3,10 @@
 import time
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
-from helpers import BlockByBlock, copy_dir, reference_greedy, set_eos
+from helpers import BlockByBlock, copy_dir, parse_mlx_lm_verbose, reference_greedy, set_eos
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -75,9 +76,12 @@ def test_generate_prints_the_known_tau_of_an_oracle_drafter(loaded, capsys):
     prompt = prompt_of(9, seed=5)
     oracle, tau = oracle_for(model, tokenizer, draft, prompt, 30, 4)
     dflash_mlx.generate(model, oracle, tokenizer, prompt, verbose=True, block_size=4, max_tokens=30)
-    assert f"Acceptance: {tau:.2f} tokens per cycle, 100.0% of draft tokens accepted" in (
-        capsys.readouterr().out
-    )
+    cycles = round(29 / tau)
+    drafted = 29 - cycles  # every draft accepted: each cycle adds one token after them
+    assert (
+        f"Speculation: {tau:.2f} tokens per verify cycle over {cycles} cycles, {drafted} of 30 "
+        "tokens from accepted drafts"
+    ) in capsys.readouterr().out
     assert tau > 3
 
 
@@ -203,12 +207,32 @@ def test_prompt_types_agree(loaded):
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_generate_returns_text_and_prints_stats(loaded, capsys):
+def test_generate_verbose_prints_mlx_lm_stats_then_what_drafting_did(loaded, capsys):
     model, tokenizer, draft = loaded("llama-tied-gqa")
+    mlx_lm.generate(model, tokenizer, "Alice has", max_tokens=10, verbose=True)
+    theirs = parse_mlx_lm_verbose(capsys.readouterr().out)
     text = dflash_mlx.generate(model, draft, tokenizer, "Alice has", max_tokens=10, verbose=True)
-    out = capsys.readouterr().out
-    assert text and text in out
-    assert "Generation: 10 tokens" in out and "Acceptance:" in out
+    ours = parse_mlx_lm_verbose(capsys.readouterr().out)
+    assert ours["reply"] == theirs["reply"] == text
+    for count in ("prompt_tokens", "generation_tokens"):
+        assert ours[count] == theirs[count]
+    assert ours["prompt_tps"] > 0 and ours["generation_tps"] > 0 and ours["peak_memory"] > 0
+    assert ours["rest"].startswith("Speculation: ") and ours["rest"].count("\n") == 1
+
+
+def test_a_reply_without_text_is_reported_in_mlx_lm_words(loaded, capsys):
+    """An end of sequence first: mlx_lm.generate's note instead of its stats, and ours."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    first = next(stream_generate(model, draft, tokenizer, "Alice has", max_tokens=1)).token
+    tokenizer.add_eos_token(first)
+    try:
+        mlx_lm.generate(model, tokenizer, "Alice has", max_tokens=4, verbose=True)
+        theirs = capsys.readouterr().out
+        dflash_mlx.generate(model, draft, tokenizer, "Alice has", max_tokens=4, verbose=True)
+        assert capsys.readouterr().out == theirs
+    finally:
+        tokenizer._eos_token_ids.discard(first)
+    assert theirs.endswith("==========\nNo text generated for this prompt\n")
 
 
 def test_sampling_runs_and_is_reproducible(loaded):

@@ -14,7 +14,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, parse_mlx_lm_verbose
 from mlx.utils import tree_flatten
 from mlx_lm import cli as mlx_lm_cli
 from test_cli import dflash, dflash_in_process
@@ -159,6 +159,42 @@ def test_mlx_lm_names_mean_what_they_mean_in_mlx_lm(tmp_path, capsys):
     assert missing.endswith(f"no file {tmp_path / 'none'} (and no Jinja template: it has no '{{')")
 
 
+def test_xtc_and_min_tokens_to_keep_reach_the_sampler_as_mlx_lm_sets_them(loaded):
+    """mlx_lm.generate's XTC spares the tokenizer's newline and end-of-sequence tokens."""
+    tokenizer = loaded("llama-tied-gqa")[1]
+    flags = "--xtc-probability 0.5 --xtc-threshold 0.2 --min-tokens-to-keep 3 --min-p 0.1"
+    args = cli.build_parser().parse_args(["generate", "--model", "m", *shlex.split(flags)])
+    settings = generation_settings(args, tokenizer)
+    assert (settings.xtc_probability, settings.xtc_threshold) == (0.5, 0.2)
+    assert settings.min_tokens_to_keep == 3
+    spared = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+    assert settings.xtc_special_tokens == tuple(spared) and spared
+    for flag, value, bounds in (
+        ("--xtc-threshold", "0.7", "must be in [0, 0.5], got 0.7"),
+        ("--xtc-probability", "2", "must be in [0, 1], got 2.0"),
+        ("--min-tokens-to-keep", "0", "must be at least 1, got 0"),
+    ):
+        args = cli.build_parser().parse_args(["generate", "--model", "m", flag, value])
+        with pytest.raises(ValueError) as bad:
+            generation_settings(args)
+        assert str(bad.value) == f"{flag} {bounds}"
+
+
+def test_generate_with_xtc_gives_one_seeded_reply_drafting_or_not(make_pair):
+    """Under the coupled rule a seeded reply does not depend on the cycles' shapes: with XTC
+    too, chains, trees or plain steps give the same reply, and not the one without XTC."""
+    target, draft = make_pair("llama-tied-gqa")
+    line = f"generate --model {target} -p 'Alice has' -m 24 --temp 1 --seed 3 --verbose F"
+    xtc = "--xtc-probability 0.5 --xtc-threshold 0.05"
+    replies = set()
+    for drafting in (f"--draft {draft}", f"--draft {draft} --block-size 3", "--no-draft"):
+        out = dflash_in_process(f"{line} {drafting} {xtc}")
+        assert out.returncode == 0, out.stderr
+        replies.add(out.stdout)
+    assert len(replies) == 1
+    assert dflash_in_process(f"{line} --no-draft").stdout not in replies
+
+
 def test_serve_chat_template_and_extra_eos_tokens_reach_the_tokenizer(make_pair):
     target, _ = make_pair("llama-tied-gqa")
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
@@ -242,6 +278,32 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     assert (child.returncode, child.stdout, child.stderr) == (0, replies[0], "")
     assert replies[0] == tokenizer.decode(tokens[: tokens.index(stop)]) + "\n"
     assert replies[3] != replies[2]  # the adapter changed the reply
+
+
+def test_generate_prints_mlx_lm_stats_lines_then_what_drafting_did(make_pair):
+    """Verbose (the default), stdout holds what mlx_lm.generate prints, parsed in its wording:
+    the same reply between its rules, its three stats lines with the same counts, then one
+    line on speculation whose numbers agree with them; stderr only the loading line."""
+    target, draft = make_pair("llama-tied-gqa")
+    line = f"--model {target} --prompt 'Alice has' -m 12 --ignore-chat-template"
+    theirs = parse_mlx_lm_verbose(mlx_lm_generate(line))
+    out = dflash(f"generate {line} --draft-model {draft} --num-draft-tokens 3")
+    assert out.returncode == 0 and out.stderr.startswith("loading "), out.stderr
+    ours = parse_mlx_lm_verbose(out.stdout)
+    assert (ours["reply"], ours["prompt_tokens"]) == (theirs["reply"], theirs["prompt_tokens"])
+    assert ours["generation_tokens"] == theirs["generation_tokens"] == 12
+    assert ours["prompt_tps"] > 0 and ours["generation_tps"] > 0 and ours["peak_memory"] > 0
+    speculation = re.fullmatch(
+        r"Speculation: (\d+\.\d\d) tokens per verify cycle over (\d+) cycles, (\d+) of "
+        r"(\d+) tokens from accepted drafts \((.+)\), first token after \d+ ms\n",
+        ours["rest"],
+    )
+    assert speculation, ours["rest"]
+    *numbers, kinds = speculation.groups()
+    tau, cycles, accepted, tokens = map(float, numbers)
+    by_kind = [int(n) for n in re.findall(r"(?:chains|trees|plain) (\d+)", kinds)]
+    assert tokens == 12 and sum(by_kind) == cycles and round((tokens - 1) / cycles, 2) == tau
+    assert accepted <= tokens - 1 - cycles  # each cycle commits its accepted drafts and one more
 
 
 def test_serve_says_it_is_loading_before_it_is_ready(make_pair, tmp_path):

@@ -13,6 +13,7 @@ from dflash_mlx.decode.sampling import (
     Verifier,
     logsumexp,
     make_coupled_choice,
+    make_draft_ranking,
     make_logprobs_transform,
     make_scores_transform,
     make_verifier,
@@ -45,24 +46,42 @@ SETTINGS = [
     dict(temperature=0.7),
     dict(temperature=1.3, top_p=0.8),
     dict(temperature=0.9, top_k=4, min_p=0.05),
+    dict(temperature=1.0, min_p=0.6, min_tokens_to_keep=4),
+    # XTC: the top choices dropped for some tokens (token 5, one of them, spared as special)
+    dict(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05),
+    dict(temperature=1.2, top_p=0.95, top_k=6, xtc_probability=0.3, xtc_threshold=0.1),
+    dict(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.05, xtc_special_tokens=(5,)),
 ]
+XTC_SAMPLES = 6000  # mlx-lm's XTC draws once per call, for all rows: one row a call
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_transform_is_the_distribution_mlx_lm_samples(setting):
     mx.random.seed(0)
     logits = mx.random.normal((12,)) * 2
-    probs = np.array(mx.exp(make_logprobs_transform(**setting)(logits)))
+    transform = make_logprobs_transform(**setting)
+    probs = np.array(mx.exp(transform(logits)))
     assert abs(probs.sum() - 1) < 1e-5
     sampler = make_sampler(
         setting["temperature"],
         setting.get("top_p", 0.0),
         setting.get("min_p", 0.0),
+        setting.get("min_tokens_to_keep", 1),
         top_k=setting.get("top_k", 0),
+        xtc_probability=setting.get("xtc_probability", 0.0),
+        xtc_threshold=setting.get("xtc_threshold", 0.1),
+        xtc_special_tokens=list(setting.get("xtc_special_tokens", ())),
     )
     logprobs = logits - mx.logsumexp(logits)
-    samples = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
+    if setting.get("xtc_probability"):
+        samples = np.array([sampler(logprobs[None]).item() for _ in range(XTC_SAMPLES)])
+        plain = make_logprobs_transform(setting["temperature"], setting.get("top_p", 0.0))
+        assert np.abs(probs - np.array(mx.exp(plain(logits)))).max() > 0.1  # XTC cut here
+    else:
+        samples = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
     assert chi2_pvalue(samples, probs) > SIGNIFICANCE
+    if setting.get("xtc_special_tokens"):  # the likeliest dropped, the special token kept
+        assert probs[int(mx.argmax(logits))] == 0 and probs[5] > 0.2
 
 
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.999])
@@ -347,6 +366,10 @@ BLOCK4 = {
     "speculative": dict(temperature=0.8, top_k=5, min_p=0.05),
     "speculative-seeded": dict(temperature=0.8, top_k=5, min_p=0.05, seeded=True),
     "match": dict(temperature=1.0, top_k=4, acceptance="match"),
+    "speculative-xtc": dict(temperature=0.9, top_k=5, xtc_probability=0.5, xtc_threshold=0.05),
+    "coupled-xtc": dict(
+        temperature=0.9, top_k=6, xtc_probability=0.5, xtc_threshold=0.05, acceptance="coupled"
+    ),
     "custom-sampler": dict(sampler=make_sampler(1.0, top_k=4)),
 }
 
@@ -470,6 +493,17 @@ def test_coupled_choice_is_the_full_transforms_argmax_bit_for_bit(top_p):
         noise = mx.array(np.stack([position_noise(6, i, vocab) for i in range(64)]))
         full = mx.argmax(make_scores_transform(**setting)(logits) + noise, axis=-1)
         assert make_coupled_choice(**setting)(logits, noise).tolist() == full.tolist()
+
+
+def test_the_coupled_draft_ranking_reads_spared_xtc_tokens_as_no_columns():
+    """Its rows are candidate columns, not the vocabulary: a spared token id is none of them
+    (indexing a row by it would write past the row)."""
+    mx.random.seed(6)
+    logits = mx.random.normal((3, 5000)) * 4
+    xtc = dict(xtc_probability=0.5, xtc_threshold=0.05)
+    spared = make_draft_ranking(1.0, **xtc, xtc_special_tokens=(4999, 17))(logits)
+    plain = make_draft_ranking(1.0, **xtc)(logits)
+    assert all(np.array_equal(a, b) for a, b in zip(spared, plain, strict=True))
 
 
 def test_scores_are_the_transform_up_to_a_constant_per_row():

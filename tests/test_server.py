@@ -20,6 +20,7 @@ from test_cli import decode_greedy, greedy_text
 from test_generate import oracle_for
 from test_stops import stop_in
 
+import dflash_mlx
 from dflash_mlx import GenerationSettings, cli
 from dflash_mlx.chat_format import chat_prompt, plain_chat
 from dflash_mlx.serve import Worker, create_app
@@ -230,7 +231,7 @@ MESSAGES = b'{"messages": [{"role": "user", "content": "hi"}]}'
         ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n=3 is not supported"),
         ("/v1/completions", b'{"prompt": ["hi", "yo"]}', "one prompt per request"),
         ("/v1/completions", b'{"prompt": "hi", "echo": true}', "echo=true"),
-        ("/v1/completions", b'{"prompt": "hi", "xtc_probability": 0.5}', "xtc_probability"),
+        ("/v1/completions", b'{"prompt": "hi", "xtc_threshold": 0.7}', "xtc_threshold"),
         ("/v1/chat/completions", MESSAGES[:-1] + b', "tool_choice": "required"}', "tool_choice"),
         (
             "/v1/chat/completions",
@@ -302,6 +303,20 @@ def test_penalties_and_logit_bias_equal_mlx_lm_with_the_same_processors(client, 
         model=MODEL, prompt=PROMPTS[7], max_tokens=16, logit_bias={"57": -4.0, "120": 5.0}
     )
     assert completion.choices[0].text == expected
+
+
+def test_xtc_sampling_is_taken_as_mlx_lm_server_takes_it(client, loaded):
+    """`xtc_probability` and `xtc_threshold` in a request: a seeded reply is the one the
+    library gives with them, the newline and the EOS spared as mlx_lm.server spares them."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    xtc = {"xtc_probability": 0.5, "xtc_threshold": 0.05}
+    asked = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=3)
+    reply = client.completions.create(**asked, extra_body=xtc).choices[0].text
+    spared = tuple(tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+    ids = tokenizer.encode(PROMPTS[1])
+    settings = dict(max_tokens=16, temperature=1.0, seed=3, xtc_special_tokens=spared)
+    assert reply == dflash_mlx.generate(model, draft, tokenizer, ids, **settings, **xtc)
+    assert reply != client.completions.create(**asked).choices[0].text
 
 
 @pytest.fixture(scope="module")

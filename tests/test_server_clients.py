@@ -125,6 +125,22 @@ def test_routes_answer_with_and_without_v1(keyed, loaded):
     assert text == greedy_text(loaded, PROMPTS[1], 8, chat=False)[0]
 
 
+def test_mlx_lm_server_clients_default_model_is_the_one_served(keyed, loaded):
+    """`"model": "default_model"`, as mlx_lm.server's clients send, is the served model; a
+    model this server does not serve is named in a 404 that says none other is loaded."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed}/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
+    assert chat.choices[0].message.content == greedy_text(loaded, PROMPTS[0], 8)[0]
+    assert chat.model == "m"
+    with pytest.raises(openai.NotFoundError) as other:
+        client.chat.completions.create(model="Qwen3-4B", messages=messages, max_tokens=8)
+    assert other.value.body["message"] == (
+        "the model 'Qwen3-4B' is not served here: this server serves 'm' (or 'default_model') "
+        "and loads no other"
+    )
+
+
 @pytest.fixture(scope="module")
 def busy_server(make_pair, tmp_path_factory):
     log = tmp_path_factory.mktemp("clients") / "server.log"

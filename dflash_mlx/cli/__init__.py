@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
+import json
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -55,6 +58,8 @@ def system_rows() -> list[tuple[str, str]]:
 
     return [
         ("dflash-mlx", __version__),
+        ("distribution", distribution()),
+        ("package", str(Path(__file__).resolve().parents[1])),
         ("python", platform.python_version()),
         ("platform", f"{platform.system()} {platform.machine()}"),
         ("mlx", mx.__version__),
@@ -79,6 +84,25 @@ def system_rows() -> list[tuple[str, str]]:
     ]
 
 
+def distribution() -> str:
+    """The installed distribution named dflash-mlx and where it was installed from. PyPI's
+    dflash-mlx is another project with the same import name, so which one a user installed
+    matters; the package row says which files run."""
+    try:
+        dist = importlib.metadata.distribution("dflash-mlx")
+    except importlib.metadata.PackageNotFoundError:
+        return "none installed (run from a source tree)"
+    origin = json.loads(dist.read_text("direct_url.json") or "{}")
+    url = origin.get("url", "")
+    if not url:
+        where = "from a package index (PyPI's dflash-mlx is another project)"
+    elif origin.get("dir_info", {}).get("editable"):
+        where = f"editable from {url.removeprefix('file://')}"
+    else:
+        where = f"from {url.removeprefix('file://')}"
+    return f"{dist.metadata['Name']} {dist.version}, {where}"
+
+
 # Subcommands that run under mlx.launch (target sharded over the ranks, run in lockstep).
 SHARDED_COMMANDS = ("generate", "chat", "serve", "bench", "info")
 COMMANDS = {
@@ -96,20 +120,13 @@ COMMANDS = {
 # mlx-lm's flags (of mlx_lm.generate, chat, server, cache_prompt) that no command here takes,
 # each with why: an mlx-lm user who passes one learns that, not just "unrecognized".
 REFUSED = {
-    "--image": "dflash-mlx runs text models: there is no image input",
-    "--xtc-probability": "XTC sampling is not one of the exact speculative sampling rules "
-    "(--temp, --top-p, --top-k, --min-p are)",
-    "--xtc-threshold": "XTC sampling is not one of the exact speculative sampling rules "
-    "(--temp, --top-p, --top-k, --min-p are)",
-    "--min-tokens-to-keep": "min-p sampling keeps at least one token, as mlx-lm's default; "
-    "other values are not supported",
+    "--image": "image prompts are not supported: dflash-mlx prefills text prompts only, and "
+    "its drafters draft from text",
     "--use-default-chat-template": "transformers has no default chat templates any more; "
     "give one with serve's --chat-template",
     "--quantize-activations": "activation quantization is not supported: the target runs "
     "its layers as mlx-lm loads them",
     "-qa": "activation quantization (--quantize-activations) is not supported",
-    "--eos-token": "a cached prompt has no end of sequence: give --extra-eos-token to "
-    "generate or serve, which go on from the file",
 }
 
 

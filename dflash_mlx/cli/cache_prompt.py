@@ -39,6 +39,7 @@ from ..options import (
     add_trust_remote_code_argument,
     cache_options,
     flagged_settings,
+    read_prompt,
 )
 
 PROGRESS_STEP = 256  # prompt tokens per prefill forward: how often the bar moves
@@ -54,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_trust_remote_code_argument(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors to write")
+    parser.add_argument(
+        "--eos-token",
+        help="the tokenizer's end-of-sequence token, as a chat template that names it renders it "
+        "(as mlx-lm's; default: the tokenizer's own)",
+    )
     add_prompt_arguments(parser)
     add_kv_cache_arguments(parser)
 
@@ -92,7 +98,7 @@ def prefill(
 def run(args: argparse.Namespace) -> None:
     if args.draft is None and not args.no_draft:
         raise ValueError("--draft is required (or pass --no-draft to cache the target's only)")
-    text = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    text = read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     out = Path(args.prompt_cache_file)
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> None:
         args.dtype,
         trust_remote_code=args.trust_remote_code,
         adapter_path=args.adapter_path,
+        tokenizer_config={"eos_token": args.eos_token} if args.eos_token else {},
     )
     draft = None if args.no_draft else load_draft(args.draft)
     chat = args.chat_template and has_chat_template(tokenizer)

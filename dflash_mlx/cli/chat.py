@@ -27,14 +27,13 @@ from ..models.distributed import Lockstep, world_group
 from ..models.target import TargetAdapter
 from ..options import (
     PrefillProgress,
-    ReplyStats,
     add_model_arguments,
     add_system_prompt_argument,
     add_template_config_argument,
     generation_settings,
     load_models,
 )
-from ..response import GenerationResponse
+from ..response import GenerationResponse, ReplyStats
 
 HELP = """commands:
   /reset   start a new conversation (the system message is kept)
@@ -157,11 +156,10 @@ class Chat:
         cycles = sum(t.cycles for t in self.turns)
         committed = sum(t.tokens - 1 for t in self.turns if t.tokens)
         accepted = sum(t.accepted for t in self.turns)
-        proposed = sum(t.proposed for t in self.turns)
         return (
             f"[{len(self.turns)} turns, {len(self.messages)} messages, {tokens} tokens generated, "
             f"τ {committed / cycles if cycles else 0:.2f}, "
-            f"{accepted / proposed if proposed else 0:.0%} accepted, "
+            f"{accepted} from accepted drafts, "
             f"{0 if self.fresh_cache else len(self.cache.tokens)} tokens cached]"
         )
 
@@ -261,7 +259,7 @@ def run(args: argparse.Namespace) -> None:
         model,
         tokenizer,
         draft,
-        generation_settings(args),
+        generation_settings(args, tokenizer),
         args.system,
         not args.no_prompt_cache,
         args.chat_template_config,

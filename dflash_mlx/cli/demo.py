@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> None:
     measure(lambda: dflash(8))  # warm-up: one-time graph and buffer set-up stays out of the timings
     print(f"> {args.prompt}\n")
     run_df = measure(lambda: dflash(args.max_tokens, echo=True))
-    print("\n")
+    ended = run_df.tokens[-1] in tokenizer.eos_token_ids or len(run_df.tokens) < args.max_tokens
+    print("\n" if ended else f"\n[cut at {args.max_tokens} tokens: --max-tokens]\n")
     df = throughput([run_df])["decode_tps"]
     cycles = len(run_df.cycles)
     tau = (len(run_df.tokens) - 1) / cycles if cycles else float("nan")

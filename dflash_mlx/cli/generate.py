@@ -1,7 +1,8 @@
 """`dflash-mlx generate`: one prompt in, one reply out, like `mlx_lm.generate`.
 
-The reply streams to stdout and the stats go to stderr, so the output can be
-piped; `--json` prints one JSON object with the text and the stats instead.
+The reply streams to stdout between mlx_lm.generate's rules, followed by its stats lines and
+one on what drafting did; `--verbose False` prints the reply alone, for a pipe, and `--json`
+one JSON object with the text and the stats.
 Under `mlx.launch` the target is sharded over the ranks and rank 0 alone reads
 the prompt and writes the reply.
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -22,15 +22,16 @@ from ..generate import stream_generate
 from ..models.distributed import Lockstep, broadcast_text, is_rank0, world_group
 from ..options import (
     PrefillProgress,
-    ReplyStats,
     add_cache_file_argument,
     add_model_arguments,
     add_prompt_arguments,
     generation_settings,
     load_cache_file,
     load_models,
+    read_prompt,
     say,
 )
+from ..response import RULE, ReplyStats
 
 
 def true_unless_false(text: str) -> bool:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     group = world_group()  # under mlx.launch: rank 0 reads the prompt and alone writes
     prompt = None
     if is_rank0(group):
-        prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+        prompt = read_prompt(args)
     prompt = broadcast_text(prompt, group)
     if not prompt.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
@@ -99,8 +100,9 @@ def run(args: argparse.Namespace) -> None:
     elif args.system:  # as mlx_lm.generate, which uses it only in the template, but said
         say(args, "note: --system-prompt is not used without the chat template")
     stats = ReplyStats()
-    settings = generation_settings(args)
-    progress = PrefillProgress() if args.verbose and is_rank0(group) else None
+    settings = generation_settings(args, tokenizer)
+    rank0 = is_rank0(group)
+    progress = PrefillProgress() if args.verbose and rank0 else None
     responses = stream_generate(
         model,
         draft,
@@ -111,15 +113,18 @@ def run(args: argparse.Namespace) -> None:
         prompt_progress_callback=progress,
     )
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
+    show = rank0 and not args.json
+    if show and args.verbose:
+        print(RULE)
     for response in lockstep.steps(stop_at_strings(responses, args.stop)):
         stats.add(response)
-        if not args.json and is_rank0(group):
+        if show:
             print(response.text, end="", flush=True)
-    if not is_rank0(group):
+    if not rank0:
         return
     if args.json:
         print(json.dumps({"text": stats.text, **stats.as_dict()}))
         return
     print()
     if args.verbose:
-        print(stats.summary(), file=sys.stderr)
+        print(stats.verbose_report())

@@ -61,25 +61,22 @@ class DrafterProposer(Proposer):
 
 
 def check_compatible(target: TargetAdapter, draft: DFlashDraft) -> None:
-    """Fail early, naming the mismatch, when a drafter was not made for this target."""
+    """Fail early when a drafter was not made for this target, in the sizes a user knows
+    the models by (hidden size, layer count, vocabulary), not as a weight's shape."""
     cfg = draft.config
     n_layers = len(target.layers)
-    out_of_range = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
-    if out_of_range:
-        raise ValueError(
-            f"drafter taps target layers {out_of_range}, but the target has {n_layers} layers"
-        )
-    n_features = len(cfg.target_layer_ids)
+    differences = []
     if cfg.hidden_size != target.hidden_size:
-        raise ValueError(
-            f"drafter fc expects {n_features} target layers x hidden size {cfg.hidden_size} "
-            f"= {n_features * cfg.hidden_size} features, but the target's hidden size is "
-            f"{target.hidden_size} ({n_features * target.hidden_size} features)"
-        )
+        differences.append(f"hidden size {cfg.hidden_size} (the target's: {target.hidden_size})")
+    deepest = max(cfg.target_layer_ids)
+    if cfg.num_target_layers not in (None, n_layers):
+        differences.append(f"{cfg.num_target_layers} layers (the target's: {n_layers})")
+    elif deepest >= n_layers:
+        differences.append(f"it reads layer {deepest} (the target has {n_layers})")
     if cfg.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"drafter vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}"
-        )
+        differences.append(f"vocabulary {cfg.vocab_size} (the target's: {target.vocab_size})")
+    if differences:
+        raise ValueError("the drafter was made for another model: " + "; ".join(differences))
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise ValueError(
             f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "

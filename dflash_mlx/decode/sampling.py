@@ -7,7 +7,7 @@ Four rules, all lossless:
   it equals the target's sample. Correct, but accepts less than it could.
 - "speculative": standard speculative sampling with
   the drafter's distribution q and the target's p, both after the same
-  temperature / top-p / min-p / top-k transform: accept draft x with
+  temperature / top-p / min-p / XTC / top-k transform: accept draft x with
   probability min(1, p(x)/q(x)); at the first rejection emit a sample of
   normalize(max(0, p - q)); if all are accepted the bonus token comes from p.
   Every emitted token is then distributed exactly as the target's own sample.
@@ -42,8 +42,10 @@ chain's rows are chosen one by one up to the first rejection (`Verifier._verify_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -67,22 +69,41 @@ MAX_CANDIDATES = 64
 NUCLEUS_MARGIN = 0.02
 
 
-def is_filtered(top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0) -> bool:
-    """Whether mlx-lm's sampler filters the log-softmax (top-p, min-p or top-k)."""
-    return 0 < top_p < 1.0 or min_p != 0.0 or top_k > 0
+def is_filtered(
+    top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, xtc_probability: float = 0.0
+) -> bool:
+    """Whether mlx-lm's sampler filters the log-softmax (top-p, min-p, XTC or top-k)."""
+    return 0 < top_p < 1.0 or min_p != 0.0 or top_k > 0 or xtc_probability > 0.0
 
 
 def make_scores_transform(
-    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0
+    temperature: float,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    *,
+    min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: tuple[int, ...] = (),
 ) -> Callable[[mx.array], mx.array]:
     """Logits -> mlx-lm's sampling log-probabilities up to a constant per row.
 
-    mlx-lm filters the log-softmax (top-p, then min-p, then top-k) and samples
-    categorical(filtered / temperature). A coupled choice, argmax(scores + noise), is
-    the same for any constant per row: it skips the final normalisation.
+    mlx-lm filters the log-softmax (top-p, then min-p keeping `min_tokens_to_keep`, then
+    XTC, then top-k) and samples categorical(filtered / temperature). A coupled choice,
+    argmax(scores + noise), is the same for any constant per row: it skips the final
+    normalisation. XTC drops the top choices (`without_top_choices`) with probability
+    `xtc_probability`, drawn per token: what it samples from is the mixture of the two
+    distributions, weighted so, which speculative sampling reads like any other.
     """
+    check_xtc(min_tokens_to_keep, xtc_probability, xtc_threshold)
+    filtered = is_filtered(top_p, top_k, min_p, xtc_probability)
+    special = list(xtc_special_tokens)
 
-    filtered = is_filtered(top_p, top_k, min_p)
+    def tempered(logprobs: mx.array) -> mx.array:
+        if 0 < top_k < logprobs.shape[-1]:  # a top-k as wide as the row filters nothing
+            logprobs = apply_top_k(logprobs, top_k)
+        return logprobs * (1.0 / temperature)
 
     def scores(logits: mx.array) -> mx.array:
         if not filtered:  # softmax(logits / T) needs no normalisation before it
@@ -91,19 +112,48 @@ def make_scores_transform(
         if 0 < top_p < 1.0:
             logprobs = nucleus(logprobs, top_p)
         if min_p != 0.0:
-            logprobs = apply_min_p(logprobs, min_p)
-        if 0 < top_k < logprobs.shape[-1]:  # a top-k as wide as the row filters nothing
-            logprobs = apply_top_k(logprobs, top_k)
-        return logprobs * (1.0 / temperature)
+            logprobs = apply_min_p(logprobs, min_p, min_tokens_to_keep)
+        if xtc_probability == 0.0:
+            return tempered(logprobs)
+        cut = tempered(without_top_choices(logprobs, xtc_threshold, special))
+        if xtc_probability == 1.0:
+            return cut
+        kept = tempered(logprobs)
+        return mx.logaddexp(
+            kept - logsumexp(kept) + math.log1p(-xtc_probability),
+            cut - logsumexp(cut) + math.log(xtc_probability),
+        )
 
     return scores
 
 
+def check_xtc(min_tokens_to_keep: int, xtc_probability: float, xtc_threshold: float) -> None:
+    """mlx-lm's bounds for min-p's and XTC's settings, checked before any sampling."""
+    if not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
+        raise ValueError(f"min_tokens_to_keep must be at least 1, got {min_tokens_to_keep!r}")
+    if not 0 <= xtc_probability <= 1:
+        raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability}")
+    if not 0 <= xtc_threshold <= 0.5:
+        raise ValueError(f"xtc_threshold must be in [0, 0.5], got {xtc_threshold}")
+
+
+def without_top_choices(logprobs: mx.array, threshold: float, special: list[int]) -> mx.array:
+    """mlx-lm's `apply_xtc` when it applies: every token more likely than `threshold` but
+    the least likely of them is dropped, `special` tokens (a newline, the EOS) never."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    top = probs > least
+    if special:
+        top[..., special] = False
+    return mx.where(top, -mx.inf, logprobs)
+
+
 def make_logprobs_transform(
-    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0
+    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, **filters: Any
 ) -> Callable[[mx.array], mx.array]:
-    """Logits -> the normalized log-probabilities mlx-lm's `make_sampler` samples from."""
-    scores = make_scores_transform(temperature, top_p, top_k, min_p)
+    """Logits -> the normalized log-probabilities mlx-lm's `make_sampler` samples from;
+    `filters` are `make_scores_transform`'s keywords (min-p's floor, XTC)."""
+    scores = make_scores_transform(temperature, top_p, top_k, min_p, **filters)
 
     def transform(logits: mx.array) -> mx.array:
         scaled = scores(logits)
@@ -113,7 +163,7 @@ def make_logprobs_transform(
 
 
 def make_coupled_choice(
-    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0
+    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, **filters: Any
 ) -> CoupledChoice:
     """(logits, noise) -> each row's coupled choice argmax(scores + noise), bit for bit,
     without the nucleus's sort where it cannot matter (top-p alone, on the CPU).
@@ -125,12 +175,12 @@ def make_coupled_choice(
     filtered row's cost on the CPU (see benchmarks/README.md, "Sampling"); the other rows
     (~1 - top_p of them) take the full transform.
     """
-    scores = make_scores_transform(temperature, top_p, top_k, min_p)
+    scores = make_scores_transform(temperature, top_p, top_k, min_p, **filters)
 
     def full(logits: mx.array, noise: mx.array) -> mx.array:
         return mx.argmax(scores(logits) + noise, axis=-1)
 
-    if not 0 < top_p < 1.0 or min_p != 0.0 or top_k > 0:
+    if not 0 < top_p < 1.0 or is_filtered(0.0, top_k, min_p, filters.get("xtc_probability", 0)):
         return full
 
     def choice(logits: mx.array, noise: mx.array) -> mx.array:
@@ -153,7 +203,7 @@ def make_coupled_choice(
 
 
 def make_draft_ranking(
-    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0
+    temperature: float, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, **filters: Any
 ) -> DraftRanking:
     """The drafter's cheap log q under the coupled rule: `transform` over each row's near
     candidates (`near_candidates`), not over the vocabulary.
@@ -162,8 +212,10 @@ def make_draft_ranking(
     the reply exact: a cheaper one only changes how often drafts agree. The
     full-vocabulary transform of a drafted row (two normalisations, a sort, exps) is
     dear on the CPU; its near candidates (at most MAX_CANDIDATES) cost a fraction of it.
+    XTC's spared tokens are vocabulary ids, not candidate columns: the ranking spares none.
     """
-    transform = make_logprobs_transform(temperature, top_p, top_k, min_p)
+    filters = {**filters, "xtc_special_tokens": ()}
+    transform = make_logprobs_transform(temperature, top_p, top_k, min_p, **filters)
 
     def ranking(logits: mx.array) -> tuple[np.ndarray, np.ndarray]:
         index, compact = near_candidates(np.array(logits.astype(mx.float32)), temperature)
@@ -524,10 +576,15 @@ def make_verifier(
     acceptance: str = "coupled",
     processors: list[LogitsProcessor] | None = None,
     seed: int | None = None,
+    min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: tuple[int, ...] = (),
 ) -> Verifier:
     """The verifier for mlx-lm-style sampling settings (greedy at temperature 0) and
     logits processors (mlx-lm's `make_logits_processors`); with a `seed`, one that draws
     from its own stream from that seed."""
+    check_xtc(min_tokens_to_keep, xtc_probability, xtc_threshold)
     if acceptance not in RULES:
         raise ValueError(f"acceptance must be one of {RULES}, got {acceptance!r}")
     if temperature < 0:
@@ -542,15 +599,24 @@ def make_verifier(
     key = None if seed is None else mx.random.key(seed)
     if temperature == 0:
         return Verifier(processors=processors, key=key)
-    setting = (temperature, top_p, top_k, min_p)
+    setting = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        min_tokens_to_keep=min_tokens_to_keep,
+        xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold,
+        xtc_special_tokens=tuple(xtc_special_tokens),
+    )
     # Unfiltered, a row's coupled choice is one scaling and an argmax: nothing to save
-    filtered = is_filtered(top_p, top_k, min_p)
+    filtered = is_filtered(top_p, top_k, min_p, xtc_probability)
     return Verifier(
-        make_logprobs_transform(*setting),
+        make_logprobs_transform(**setting),
         acceptance,
         processors=processors,
         key=key,
-        coupled_choice=make_coupled_choice(*setting),
-        draft_ranking=make_draft_ranking(*setting) if filtered else None,
+        coupled_choice=make_coupled_choice(**setting),
+        draft_ranking=make_draft_ranking(**setting) if filtered else None,
         row_by_row=filtered,
     )

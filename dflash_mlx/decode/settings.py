@@ -26,7 +26,8 @@ class GenerationSettings:
     `adaptive` sizes each cycle by measured cost; with none of the three set, each cycle
     chooses a chain or a tree by measured cost (`AdaptiveStrategy`); `prompt_lookup`
     grafts the prompt lookup's chain onto every tree.
-    Sampling follows mlx-lm's `make_sampler`; `acceptance` is the rule for sampled
+    Sampling follows mlx-lm's `make_sampler`, XTC's `xtc_special_tokens` included (mlx-lm's
+    commands pass a newline and the EOS tokens); `acceptance` is the rule for sampled
     drafts (`decode/sampling.py`; "coupled" leaves the reply independent of the cycles' shapes, so
     the clock may choose them); `logits_processors` are mlx-lm's. With a `seed` (0 to
     2**32 - 1) every random draw comes from these settings' own stream from that seed
@@ -47,6 +48,10 @@ class GenerationSettings:
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] = ()
     sampler: Sampler | None = None
     acceptance: str = "coupled"
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
@@ -77,6 +82,10 @@ class GenerationSettings:
             self.acceptance,
             self.logits_processors,
             self.seed,
+            self.min_tokens_to_keep,
+            self.xtc_probability,
+            self.xtc_threshold,
+            self.xtc_special_tokens,
         )
         object.__setattr__(self, "verifier", verifier)
 

@@ -57,9 +57,23 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def draft_config(raw: dict) -> DFlashConfig:
-    """The config a drafter config.json describes: a `DSparkConfig` for DSpark's packagings."""
-    return dspark_config(raw) if is_dspark(raw) else DFlashConfig.from_dict(raw)
+# Fields of which a DFlash drafter's config.json has at least one and a model's has none.
+DRAFTER_FIELDS = ("dflash_config", "target_layer_ids", "num_target_layers", "mask_token_id")
+
+
+def draft_config(raw: dict, where: str | Path = "it") -> DFlashConfig:
+    """The config a drafter config.json (of `where`) describes: a `DSparkConfig` for DSpark's
+    packagings. A model's config.json is refused as such: mlx-lm's `--draft-model` takes a
+    small model, ours a drafter made for the target."""
+    if is_dspark(raw):
+        return dspark_config(raw)
+    if not any(name in raw for name in DRAFTER_FIELDS):
+        raise ValueError(
+            f"{where} is a model, not a DFlash drafter: a drafter is made for one target "
+            "model and reads its layers (its config.json has a dflash_config); mlx-lm's small "
+            "draft models do not run here"
+        )
+    return DFlashConfig.from_dict(raw)
 
 
 def new_draft(
@@ -89,8 +103,8 @@ def load_draft(
     """
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     raw = read_config(path)
+    config = draft_config(raw, path_or_repo)
     weights = read_weights(path)
-    config = draft_config(raw)
     if isinstance(config, DSparkConfig):
         weights = own_weights(config, weights)
     if full_vocab:

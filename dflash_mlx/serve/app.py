@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
         model,
         tokenizer,
         draft,
-        generation_settings(args),
+        generation_settings(args, tokenizer),
         args.chat_template_args,
         processor_settings(args),
         args.max_queue,

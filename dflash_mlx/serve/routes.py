@@ -1,7 +1,8 @@
 """The API's routes: `/health`, `/v1/models`, `/v1/chat/completions` and `/v1/completions`
 (each also without `/v1`, as `mlx_lm.server` and OpenAI-style clients use).
 
-A request names the model `/v1/models` lists, or none (404 `model_not_found` otherwise).
+A request names the model `/v1/models` lists, `mlx_lm.server`'s alias for it, or none; another
+model is not loaded in its place (404 `model_not_found`).
 Its prompt is bounded before it is tokenized (characters, by the model's context) and
 after (tokens in the vocabulary, the context's room, `max_tokens` by the context).
 """
@@ -27,6 +28,7 @@ from .shapes import OpenAIResponse, error
 from .worker import Job, QueueFull, Worker
 
 RETRY_AFTER_S = 5  # what a 503 for a full queue tells the client to wait
+DEFAULT_MODEL = "default_model"  # mlx_lm.server's name for the model it was started with
 
 
 class Api:
@@ -101,9 +103,12 @@ class Api:
     def unknown_model(self, name: str | None) -> JSONResponse | None:
         """404 for a model this server does not serve, as OpenAI answers: a client asking
         for another model must not be answered by this one."""
-        if name is None or name == self.model_id:
+        if name in (None, self.model_id, DEFAULT_MODEL):
             return None
-        message = f"the model {name!r} does not exist here; this server serves {self.model_id!r}"
+        message = (
+            f"the model {name!r} is not served here: this server serves {self.model_id!r} "
+            f"(or {DEFAULT_MODEL!r}) and loads no other"
+        )
         return error(404, message, "model", "model_not_found")
 
     def over(self, chars: int, name: str) -> JSONResponse | None:
@@ -157,6 +162,8 @@ class Api:
             "top_p": body.top_p,
             "top_k": body.top_k,
             "min_p": body.min_p,
+            "xtc_probability": body.xtc_probability,
+            "xtc_threshold": body.xtc_threshold,
         }
         kwargs = {k: v for k, v in requested.items() if v is not None}
         max_tokens = kwargs.get("max_tokens", worker.defaults.max_tokens)

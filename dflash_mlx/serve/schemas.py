@@ -68,7 +68,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("auto",),
     "functions": (),
     "function_call": (),
-    "xtc_probability": (0, 0.0),
     "adapters": (),
 }
 
@@ -132,6 +131,8 @@ class CompletionParams(Strict):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=MAX_INDEX)
     min_p: float | None = Field(None, ge=0, le=1)
+    xtc_probability: float | None = Field(None, ge=0, le=1)
+    xtc_threshold: float | None = Field(None, ge=0, le=0.5)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False

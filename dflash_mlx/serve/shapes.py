@@ -19,8 +19,7 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..options import ReplyStats
-from ..response import GenerationResponse
+from ..response import GenerationResponse, ReplyStats
 
 # What a logprob that is not a number, or -inf, reads as in JSON (as OpenAI writes it).
 NO_LOGPROB = -9999.0
