@@ -42,6 +42,7 @@ FIRST_RELEASE = {
     ("mlx_lm.tuner.utils", "load_adapters"): "0.32.1",
     ("mlx_lm.models.base", "scaled_dot_product_attention"): "0.22.0",
     ("mlx_lm.models.cache", "ArraysCache"): "0.26.1",
+    ("mlx_lm.models.cache", "BatchKVCache"): "0.28.0",
     ("mlx_lm.models.cache", "KVCache"): "0.22.0",
     ("mlx_lm.models.cache", "RotatingKVCache"): "0.22.0",
     ("mlx_lm.models.cache", "_BaseCache"): "0.22.0",

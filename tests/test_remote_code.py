@@ -4,12 +4,14 @@ target's tokenizer takes the flag to mlx-lm's tokenizer loader."""
 
 import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx_lm.utils
 import pytest
 from helpers import copy_dir
 
+import dflash_mlx
 from dflash_mlx import cli, load
 from dflash_mlx.train import trainer
 
@@ -47,6 +49,7 @@ class Reached(BaseException):  # passes through every handler on the way
 
 
 # every command that loads the target's tokenizer, with the arguments it needs to get there
+SHIPPED = Path(dflash_mlx.__file__).parent / "drafters" / "smollm2-135m-instruct"
 COMMANDS = {
     "generate": "generate --model {target} --no-draft -p hi",
     "chat": "chat --model {target} --no-draft",
@@ -58,6 +61,8 @@ COMMANDS = {
     "train features": "train features --model {target} --work {work}",
     "train fit": "train fit --model {target} --work {work}",
     "train export": "train export --model {target} --work {work} --out {work}/out --draft-vocab 8",
+    "train finetune": "train finetune --model {target} --work {work} --from {work}/chats.jsonl "
+    "--draft {shipped} --out {work}/tuned",
 }
 
 
@@ -88,8 +93,9 @@ def test_every_command_that_loads_the_tokenizer_takes_the_flag_to_it(
     monkeypatch.setattr(mlx_lm.utils, "load_tokenizer", tokenizer_loader)
     drafter = SimpleNamespace(config=SimpleNamespace(is_dflash2=False))  # a DFlash 1 one
     monkeypatch.setattr(trainer, "checkpoint_draft", lambda path: (drafter, 0))  # export's first
+    (tmp_path / "chats.jsonl").write_text('{"prompt": "hi"}\n')  # finetune's conversations
     for name, command in COMMANDS.items():
-        argv = command.format(target=remote_target, work=tmp_path).split()
+        argv = command.format(target=remote_target, work=tmp_path, shipped=SHIPPED).split()
         with pytest.raises(Reached) as reached:
             cli.main(argv + ["--trust-remote-code"] * trusted)
         assert reached.value.args[0]["trust_remote_code"] is trusted, name

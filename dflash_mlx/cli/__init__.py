@@ -88,10 +88,16 @@ def distribution() -> str:
     """The installed distribution named dflash-mlx and where it was installed from. PyPI's
     dflash-mlx is another project with the same import name, so which one a user installed
     matters; the package row says which files run."""
-    try:
-        dist = importlib.metadata.distribution("dflash-mlx")
-    except importlib.metadata.PackageNotFoundError:
+    # installed ones only: a source tree's own build metadata (an egg-info beside the package,
+    # made by `pip install -e`) may come first on the path, but no installer wrote it
+    installed = [
+        d
+        for d in importlib.metadata.distributions(name="dflash-mlx")
+        if d.read_text("INSTALLER") is not None
+    ]
+    if not installed:
         return "none installed (run from a source tree)"
+    dist = installed[0]
     origin = json.loads(dist.read_text("direct_url.json") or "{}")
     url = origin.get("url", "")
     if not url:
