@@ -186,6 +186,24 @@ def test_out_of_range_seeds_and_non_finite_numbers_get_400_naming_them(server, n
     assert status == 400 and error["param"].startswith(name) and name in error["message"]
 
 
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        ("[" * 5000 + "]" * 5000, "nested too deeply"),
+        ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
+        ('{"a": NaN}', "NaN"),
+        ('{"a": -Infinity}', "-Infinity"),
+    ],
+)
+def test_tool_call_arguments_too_deep_or_not_finite_get_400(server, arguments, words):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    body = json.dumps({"messages": messages, "max_tokens": 2}).encode()
+    status, error = refusal(server[0], "/v1/chat/completions", body)
+    assert status == 400 and words in error["message"], error
+    assert error["param"].startswith("messages.1.tool_calls.0.function.arguments")
+
+
 def test_only_json_is_taken(server):
     port, body = server[0], json.dumps(HI).encode()
     for headers in ({"Content-Type": "text/plain"}, {}):  # what a web page may send unasked
