@@ -204,6 +204,51 @@ def test_tool_call_arguments_too_deep_or_not_finite_get_400(server, arguments, w
     assert error["param"].startswith("messages.1.tool_calls.0.function.arguments")
 
 
+def many_messages(size: int) -> bytes:
+    """A chat body of one-character messages, `size` bytes long (its tail blanks): within the
+    body limit, but over the characters a prompt may have."""
+    one = b'{"role": "user", "content": "a"}, '
+    head, tail = b'{"max_tokens": 2, "messages": [', b'{"role": "user", "content": "a"}]}'
+    body = head + one * ((size - len(head) - len(tail)) // len(one)) + tail
+    return body + b" " * (size - len(body))
+
+
+def test_large_bodies_leave_the_event_loop_to_the_other_clients(server):
+    """Three bodies of ~120,000 messages (3.9 MiB, and one exactly at the limit) sent at once:
+    each refused with 400, while /health and another client's requests go on about as before
+    (goals on an idle machine: /health within 0.2 s, requests within 2x; here generous)."""
+    port = server[0]
+    normal = json.dumps({"prompt": "hi", "max_tokens": 8}).encode()
+
+    def timed() -> float:
+        tic = time.monotonic()
+        assert post(port, TEXT, normal)[0] == 200
+        return time.monotonic() - tic
+
+    alone = sorted(timed() for _ in range(3))[1]
+    bodies = [many_messages(int(3.9 * 2**20))] * 2 + [many_messages(MAX_BODY_BYTES)]
+    health, done = [], threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            tic = time.monotonic()
+            assert get(server[0], "/health")[0] == 200
+            health.append(time.monotonic() - tic)
+            time.sleep(0.02)
+
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        poller = pool.submit(poll_health)
+        big = [pool.submit(post, port, "/v1/chat/completions", body) for body in bodies]
+        during = [timed() for _ in range(3)]
+        answers = [b.result() for b in big]
+        done.set()
+        poller.result()
+    for status, reply in answers:
+        assert status == 400 and "characters, over the" in reply["error"]["message"], reply
+    assert max(health) < 1.0, f"/health took up to {max(health):.2f} s"
+    assert max(during) < 2 * alone + 2.0, f"{during} against {alone:.2f} s alone"
+
+
 def test_only_json_is_taken(server):
     port, body = server[0], json.dumps(HI).encode()
     for headers in ({"Content-Type": "text/plain"}, {}):  # what a web page may send unasked
