@@ -249,6 +249,39 @@ def test_large_bodies_leave_the_event_loop_to_the_other_clients(server):
     assert max(during) < 2 * alone + 2.0, f"{during} against {alone:.2f} s alone"
 
 
+def test_logit_bias_keys_are_ascii_digits_and_health_answers_head(server):
+    port = server[0]
+    for key in ("\u0661\u0662", "\uff11\uff12", "1.5", "-3"):  # Arabic-Indic, fullwidth
+        body = json.dumps({**HI, "logit_bias": {key: 1.0}}).encode()
+        status, error = refusal(port, TEXT, body)
+        assert status == 400 and error["param"] == "logit_bias" and "ASCII" in error["message"]
+    assert post(port, TEXT, json.dumps({**HI, "logit_bias": {"12": 1.0}}).encode())[0] == 200
+    status, headers, raw = ask(port, "HEAD", "/health")
+    assert status == 200 and raw == b"" and headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        HEAD.encode() + b"Content-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n",
+        bytes.fromhex("16030100a5010000a10303") + bytes(80),  # the start of a TLS hello
+    ],
+    ids=["content-length-abc", "two-hosts", "tls"],
+)
+def test_requests_http_cannot_parse_get_json_in_openais_shape(server, raw):
+    sock = connect(server[0])
+    try:
+        sock.sendall(raw)
+        _, answer = until_closed(sock)
+    finally:
+        sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
 def test_only_json_is_taken(server):
     port, body = server[0], json.dumps(HI).encode()
     for headers in ({"Content-Type": "text/plain"}, {}):  # what a web page may send unasked
@@ -285,6 +318,9 @@ def test_cors_lets_in_only_the_allowed_origins(server):
             port, method, "/v1/models", headers={**headers, "Origin": "http://x.test"}
         )
         assert "access-control-allow-origin" not in answer
+    refused = {**preflight, "Origin": "http://x.test"}
+    status, _, raw = ask(port, "OPTIONS", "/v1/completions", headers=refused)
+    assert status == 400 and "Disallowed CORS origin" in json.loads(raw)["error"]["message"]
     for path in ("/docs", "/redoc", "/openapi.json"):  # no --docs
         assert ask(port, "GET", path)[0] == 404
 

@@ -182,8 +182,8 @@ class CompletionParams(Strict):
     def token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
         if bias is None:
             return None
-        if not all(k.isdigit() for k in bias):
-            raise ValueError("keys must be token ids")
+        if not all(k.isascii() and k.isdigit() for k in bias):  # not "١٢" (int() takes it)
+            raise ValueError("keys must be token ids in ASCII digits")
         return {int(k): v for k, v in bias.items()}
 
     @field_validator("stop")
