@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 from ..models.draft import DFlashDraft
 from ..models.rollback import QuantizingKVCache, cache_parts
 from ..models.target import TargetAdapter
-from ..settings import GenerationSettings, is_int
+from .settings import GenerationSettings, is_int
 from ..staging import remove_stale, staging_path
 from .prompt_cache import CACHE_SETTINGS, PromptCache, make_prompt_cache
 

@@ -44,7 +44,7 @@ from ..options import (
     DEFAULT_PROMPT_CACHE_SIZE,
 )
 from ..response import GenerationResponse
-from ..settings import GenerationSettings
+from ..decode.settings import GenerationSettings
 from .record import Recorder
 from .shapes import logprob_entries
 
