@@ -43,9 +43,9 @@ from mlx.utils import tree_flatten
 from ..models.draft import DFlashDraft
 from ..models.rollback import QuantizingKVCache, cache_parts
 from ..models.target import TargetAdapter
-from .settings import GenerationSettings, is_int
 from ..staging import remove_stale, staging_path
 from .prompt_cache import CACHE_SETTINGS, PromptCache, make_prompt_cache
+from .settings import GenerationSettings, is_int
 
 FORMAT = "dflash-mlx prompt cache 1"
 METADATA = ("format", "model", "draft", "tokens", "layout", "options", "digest")
