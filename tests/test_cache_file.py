@@ -7,6 +7,7 @@ refused in one line; a killed `cache-prompt` leaves nothing behind after the nex
 import json
 import os
 import subprocess
+import time
 from functools import partial
 from itertools import takewhile
 
@@ -30,6 +31,7 @@ from dflash_mlx.cli.cache_prompt import prefill
 from dflash_mlx.decode.cache_file import (
     DEFAULT_OPTIONS,
     PromptCacheError,
+    digest,
     load_prompt_cache,
     save_prompt_cache,
 )
@@ -118,12 +120,22 @@ def test_a_quantized_file_is_refused_with_other_bits_or_other_options_asked(mode
         load_prompt_cache(path, model, draft)
 
 
-def test_a_file_written_before_files_recorded_cache_options_loads(document_cache, tmp_path):
+def test_a_file_written_before_files_carried_a_digest_is_refused_with_how_to_remake_it(
+    document_cache, tmp_path
+):
+    """Nothing proves such a file whole (its values could have changed since), so it is made
+    again: the line says how."""
     model, draft, path = document_cache
     assert json.loads(mx.load(str(path), return_metadata=True)[1]["options"]) == DEFAULT_OPTIONS
-    old = tmp_path / "old.safetensors"
-    altered(path, old, lambda a, m, lay: m.pop("options"))
-    assert load_prompt_cache(old, model, draft).tokens == DOCUMENT
+    for older in ({"digest"}, {"digest", "options"}):  # the versions before, and before those
+        old = tmp_path / "old.safetensors"
+        altered(path, old, lambda a, m, lay, older=older: [m.pop(name) for name in older])
+        with pytest.raises(PromptCacheError) as refused:
+            load_prompt_cache(old, model, draft)
+        assert str(refused.value) == (
+            f"{old} was written by an older dflash-mlx, without the digest that proves a file "
+            "whole: make it again with dflash-mlx cache-prompt"
+        )
 
 
 def test_a_cache_for_other_weights_is_refused_in_one_line(family, tokenizer, tmp_path):
@@ -258,13 +270,17 @@ def leftover(out, pid: int):
     return path
 
 
-def altered(source, dest, change) -> None:
-    """`source`'s cache with `change(arrays, metadata, layout)` applied, written to `dest`."""
+def altered(source, dest, change, signed: bool = True) -> None:
+    """`source`'s cache with `change(arrays, metadata, layout)` applied, written to `dest`;
+    `signed`: with the digest of what it then holds, as a file made to deceive would be."""
     arrays, metadata = mx.load(str(source), return_metadata=True)
-    layout = json.loads(metadata["layout"])
+    recorded = metadata["layout"]
+    layout = json.loads(recorded)
     change(arrays, metadata, layout)
-    if "layout" in metadata:
+    if metadata.get("layout") == recorded:  # not set by `change` itself
         metadata["layout"] = json.dumps(layout)
+    if signed and "digest" in metadata:
+        metadata["digest"] = digest(arrays, metadata)
     mx.save_safetensors(str(dest), arrays, metadata)
 
 
@@ -287,6 +303,7 @@ def rename(arrays: dict, old: str, new: str) -> None:
 
 
 DOCUMENT = prompt_of(40, seed=5)
+NESTED = "[" * 5000 + "]" * 5000  # deeper than Python's JSON parser follows
 # What a file could hold that no cache-prompt run writes, and the words of its refusal.
 ALTERED = {
     "no model field": (lambda a, m, lay: m.pop("model"), "no 'model' field"),
@@ -355,6 +372,35 @@ ALTERED = {
         "its 'options' field does not name the options ('max_kv_size', 'kv_bits',",
     ),
     "options not JSON": (lambda a, m, lay: m.update(options="{"), "'options' field is not JSON"),
+    "max_kv_size 2**62": (
+        lambda a, m, lay: set_option(m, "max_kv_size", 2**62),
+        "its cache options: max_kv_size must be at most 2147483647",
+    ),
+    "nested tokens": (
+        lambda a, m, lay: m.update(tokens=NESTED),
+        "its 'tokens' field is nested too deeply",
+    ),
+    "nested layout": (
+        lambda a, m, lay: m.update(layout=json.dumps(lay)[:-1] + ", " + NESTED + "]"),
+        "its 'layout' field is nested too deeply",
+    ),
+    "nested options": (
+        lambda a, m, lay: m.update(options='{"a": ' + NESTED + "}"),
+        "its 'options' field is nested too deeply",
+    ),
+}
+# What a file changed after it was written holds that fits a cache in every other way; only its
+# digest tells (unchanged: each loaded and gave another reply).
+CHANGED = {
+    "keys tripled": lambda a, m, lay: a.update({"target.1.keys": a["target.1.keys"] * 3}),
+    "a NaN value": lambda a, m, lay: a.update(
+        {"draft.0.values": a["draft.0.values"].at[..., 0].multiply(mx.nan)}
+    ),
+    "tokens rewritten to one id": lambda a, m, lay: set_tokens(m, [DOCUMENT[0]] * 40),
+    "max_kv_size 4": lambda a, m, lay: set_option(m, "max_kv_size", 4),
+    "two tensors swapped": lambda a, m, lay: a.update(
+        {"target.1.keys": a["target.2.keys"], "target.2.keys": a["target.1.keys"]}
+    ),
 }
 
 
@@ -376,6 +422,55 @@ def test_an_altered_file_is_refused_in_one_line(document_cache, tmp_path, case):
         load_prompt_cache(tmp_path / "altered.safetensors", model, draft)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert str(refused.value).endswith("(make it again with dflash-mlx cache-prompt)")
+
+
+@pytest.mark.parametrize("case", list(CHANGED))
+def test_a_file_changed_after_it_was_written_is_refused_by_its_digest(
+    document_cache, tmp_path, case
+):
+    model, draft, path = document_cache
+    changed = tmp_path / "changed.safetensors"
+    altered(path, changed, CHANGED[case], signed=False)
+    with pytest.raises(PromptCacheError) as refused:
+        load_prompt_cache(changed, model, draft)
+    assert str(refused.value) == (
+        f"{changed} is not a prompt cache as written: its contents do not match its digest "
+        "(changed after it was written) (make it again with dflash-mlx cache-prompt)"
+    )
+
+
+def aliased(source, dest) -> None:
+    """`source` with the bytes of its first tensor's place given to its second tensor too
+    (the header edited as a hand could: same length, other offsets)."""
+    raw = source.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    first, second = sorted((n for n in header if n != "__metadata__"), key=lambda n: n)[:2]
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    header[second]["dtype"], header[second]["shape"] = (
+        header[first]["dtype"],
+        header[first]["shape"],
+    )
+    text = json.dumps(header).encode()
+    dest.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def test_tensors_that_share_bytes_and_what_is_no_file_are_refused_at_once(document_cache, tmp_path):
+    model, draft, path = document_cache
+    shared = tmp_path / "shared.safetensors"
+    aliased(path, shared)
+    with pytest.raises(PromptCacheError, match="share bytes") as refused:
+        load_prompt_cache(shared, model, draft)
+    assert "\n" not in str(refused.value)
+    pipe = tmp_path / "pipe.safetensors"
+    os.mkfifo(pipe)
+    started = time.monotonic()
+    with pytest.raises(PromptCacheError) as refused:
+        load_prompt_cache(pipe, model, draft)  # with no writer: a read would wait for ever
+    assert str(refused.value) == f"{pipe} is not a regular file, so no prompt cache"
+    assert time.monotonic() - started < 10
+    with pytest.raises(PromptCacheError, match="is not a regular file"):
+        load_prompt_cache(tmp_path, model, draft)
 
 
 def test_a_sliding_window_of_another_size_is_refused(family, tokenizer, tmp_path):
@@ -422,11 +517,22 @@ def test_generate_and_serve_refuse_an_altered_file_at_startup(make_pair, tmp_pat
         altered(path, bad, ALTERED[case][0])
         return bad, f"{bad} is not a prompt cache", ALTERED[case][1]
 
-    for case in ("no model field", "float16 keys"):
+    for case in ("no model field", "float16 keys", "nested tokens", "nested layout"):
         bad, refused, message = bad_file(case)
         argv = f"generate -m 4 {models} --prompt-cache-file {bad}"
         error = refusal(argv, "?")  # after the line saying what loads
         assert error.startswith(f"dflash-mlx generate: error: {refused}") and message in error
+    changed = tmp_path / "changed.safetensors"
+    altered(path, changed, CHANGED["keys tripled"], signed=False)
+    error = refusal(f"generate -m 4 {models} --prompt-cache-file {changed}", "?")
+    assert error.endswith(
+        "its contents do not match its digest (changed after it was written) "
+        "(make it again with dflash-mlx cache-prompt)"
+    )
+    pipe = tmp_path / "pipe.safetensors"
+    os.mkfifo(pipe)
+    error = refusal(f"generate -m 4 {models} --prompt-cache-file {pipe}", "?")
+    assert error == f"dflash-mlx generate: error: {pipe} is not a regular file, so no prompt cache"
     bad, refused, message = bad_file("a negative offset")
     try:  # a child: a server that took the file would not return
         out = dflash(f"serve --port 0 {models} --prompt-cache-file {bad}", "?")

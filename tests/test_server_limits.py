@@ -186,6 +186,102 @@ def test_out_of_range_seeds_and_non_finite_numbers_get_400_naming_them(server, n
     assert status == 400 and error["param"].startswith(name) and name in error["message"]
 
 
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        ("[" * 5000 + "]" * 5000, "nested too deeply"),
+        ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
+        ('{"a": NaN}', "NaN"),
+        ('{"a": -Infinity}', "-Infinity"),
+    ],
+)
+def test_tool_call_arguments_too_deep_or_not_finite_get_400(server, arguments, words):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    body = json.dumps({"messages": messages, "max_tokens": 2}).encode()
+    status, error = refusal(server[0], "/v1/chat/completions", body)
+    assert status == 400 and words in error["message"], error
+    assert error["param"].startswith("messages.1.tool_calls.0.function.arguments")
+
+
+def many_messages(size: int) -> bytes:
+    """A chat body of one-character messages, `size` bytes long (its tail blanks): within the
+    body limit, but over the characters a prompt may have."""
+    one = b'{"role": "user", "content": "a"}, '
+    head, tail = b'{"max_tokens": 2, "messages": [', b'{"role": "user", "content": "a"}]}'
+    body = head + one * ((size - len(head) - len(tail)) // len(one)) + tail
+    return body + b" " * (size - len(body))
+
+
+def test_large_bodies_leave_the_event_loop_to_the_other_clients(server):
+    """Three bodies of ~120,000 messages (3.9 MiB, and one exactly at the limit) sent at once:
+    each refused with 400, while /health and another client's requests go on about as before
+    (goals on an idle machine: /health within 0.2 s, requests within 2x; here generous)."""
+    port = server[0]
+    normal = json.dumps({"prompt": "hi", "max_tokens": 8}).encode()
+
+    def timed() -> float:
+        tic = time.monotonic()
+        assert post(port, TEXT, normal)[0] == 200
+        return time.monotonic() - tic
+
+    alone = sorted(timed() for _ in range(3))[1]
+    bodies = [many_messages(int(3.9 * 2**20))] * 2 + [many_messages(MAX_BODY_BYTES)]
+    health, done = [], threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            tic = time.monotonic()
+            assert get(server[0], "/health")[0] == 200
+            health.append(time.monotonic() - tic)
+            time.sleep(0.02)
+
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        poller = pool.submit(poll_health)
+        big = [pool.submit(post, port, "/v1/chat/completions", body) for body in bodies]
+        during = [timed() for _ in range(3)]
+        answers = [b.result() for b in big]
+        done.set()
+        poller.result()
+    for status, reply in answers:
+        assert status == 400 and "characters, over the" in reply["error"]["message"], reply
+    assert max(health) < 1.0, f"/health took up to {max(health):.2f} s"
+    assert max(during) < 2 * alone + 2.0, f"{during} against {alone:.2f} s alone"
+
+
+def test_logit_bias_keys_are_ascii_digits_and_health_answers_head(server):
+    port = server[0]
+    for key in ("\u0661\u0662", "\uff11\uff12", "1.5", "-3"):  # Arabic-Indic, fullwidth
+        body = json.dumps({**HI, "logit_bias": {key: 1.0}}).encode()
+        status, error = refusal(port, TEXT, body)
+        assert status == 400 and error["param"] == "logit_bias" and "ASCII" in error["message"]
+    assert post(port, TEXT, json.dumps({**HI, "logit_bias": {"12": 1.0}}).encode())[0] == 200
+    status, headers, raw = ask(port, "HEAD", "/health")
+    assert status == 200 and raw == b"" and headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        HEAD.encode() + b"Content-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n",
+        bytes.fromhex("16030100a5010000a10303") + bytes(80),  # the start of a TLS hello
+    ],
+    ids=["content-length-abc", "two-hosts", "tls"],
+)
+def test_requests_http_cannot_parse_get_json_in_openais_shape(server, raw):
+    sock = connect(server[0])
+    try:
+        sock.sendall(raw)
+        _, answer = until_closed(sock)
+    finally:
+        sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
 def test_only_json_is_taken(server):
     port, body = server[0], json.dumps(HI).encode()
     for headers in ({"Content-Type": "text/plain"}, {}):  # what a web page may send unasked
@@ -222,6 +318,9 @@ def test_cors_lets_in_only_the_allowed_origins(server):
             port, method, "/v1/models", headers={**headers, "Origin": "http://x.test"}
         )
         assert "access-control-allow-origin" not in answer
+    refused = {**preflight, "Origin": "http://x.test"}
+    status, _, raw = ask(port, "OPTIONS", "/v1/completions", headers=refused)
+    assert status == 400 and "Disallowed CORS origin" in json.loads(raw)["error"]["message"]
     for path in ("/docs", "/redoc", "/openapi.json"):  # no --docs
         assert ask(port, "GET", path)[0] == 404
 

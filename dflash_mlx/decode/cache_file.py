@@ -11,14 +11,19 @@ the model, so every cache class the targets use (mlx-lm's and `models/rollback.p
 round-trips without a table of them.
 
 A file comes from elsewhere (another run, a copy, a download), so nothing in it is used
-before it is checked against what the loaded models' own caches hold after one token:
-the same fields, arrays of the same dtype and shape but for the positions, the same
-settings (a window's size), and as many positions held as it has tokens.
+before it is checked. It must be a regular file (a named pipe would block the read for
+ever) whose tensors each have bytes of their own inside it. Its `digest` (SHA-256 over the
+other metadata and every tensor's name, dtype, shape and bytes, written by
+`save_prompt_cache`) must match: a value changed with the same dtype and shape, a token list
+or cache options rewritten would load and silently give another reply. Then it is checked
+against what the loaded models' own caches hold after one token: the same fields, arrays of
+the same dtype and shape but for the positions, the same settings (a window's size), and as
+many positions held as it has tokens. A file without a digest was written by an older
+version: nothing proves it whole, so it is refused with the line to make it again.
 
 The caches are made with the cache options the file records (`max_kv_size`, `kv_bits`,
 `kv_group_size`, `quantized_kv_start`, as `make_prompt_cache` takes them): like mlx-lm's, a
-prompt cache keeps the options it was made with. A file that records none was written
-before files did, with the default options.
+prompt cache keeps the options it was made with.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +43,16 @@ from mlx.utils import tree_flatten
 from ..models.draft import DFlashDraft
 from ..models.rollback import QuantizingKVCache, cache_parts
 from ..models.target import TargetAdapter
-from ..settings import GenerationSettings
 from ..staging import remove_stale, staging_path
 from .prompt_cache import CACHE_SETTINGS, PromptCache, make_prompt_cache
+from .settings import GenerationSettings, is_int
 
 FORMAT = "dflash-mlx prompt cache 1"
-METADATA = ("format", "model", "draft", "tokens", "layout")
-OPTIONAL = ("options",)  # files written before they recorded their cache options have none
+METADATA = ("format", "model", "draft", "tokens", "layout", "options", "digest")
 DEFAULT_OPTIONS = GenerationSettings().cache_options
 SCALARS = (int, float, bool, str, type(None))
 REMAKE = "make it again with dflash-mlx cache-prompt"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
 # How many of its first positions a cache with keys and values no longer holds: a chunk's
 # (mlx-lm's `ChunkedKVCache`) and a sliding window's (`rollback.WindowKVCache`) attributes.
 DROPPED = ("start_position", "dropped")
@@ -73,6 +79,19 @@ def fingerprint(module: nn.Module | None) -> str:
         digest.update(f"{name}{p.shape}{p.dtype}".encode())
         digest.update(np.asarray(sample).tobytes())
     return digest.hexdigest()[:32]
+
+
+def digest(arrays: dict[str, mx.array], metadata: dict[str, str]) -> str:
+    """SHA-256 over `metadata` (but its digest) and every array's name, dtype, shape and bytes:
+    what proves a file whole."""
+    hashed = hashlib.sha256()
+    described = {name: value for name, value in metadata.items() if name != "digest"}
+    hashed.update(json.dumps(described, sort_keys=True).encode())
+    for name in sorted(arrays):
+        array = arrays[name]
+        hashed.update(json.dumps([name, str(array.dtype), array.shape]).encode())
+        hashed.update(np.asarray(array.reshape(-1).view(mx.uint8)).tobytes())
+    return hashed.hexdigest()
 
 
 def _fields(cache: Any, key: str, arrays: dict[str, mx.array]) -> dict[str, list]:
@@ -122,6 +141,7 @@ def save_prompt_cache(
         "layout": json.dumps(layout),
         "options": json.dumps({**DEFAULT_OPTIONS, **(options or {})}),
     }
+    metadata["digest"] = digest(arrays, metadata)
     path = Path(path)
     remove_stale(path)  # what a killed run left
     staged = staging_path(path, ".safetensors")  # a name without it would get it appended
@@ -142,11 +162,12 @@ def load_prompt_cache(
     one-line `PromptCacheError` if it is not one, was made for another target or drafter,
     holds anything their caches would not, or was made with other options than `asked`
     sets (those left at their defaults are the file's)."""
+    _check_file(path)
     try:
         arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as exc:
-        raise PromptCacheError(f"{path}: cannot read a prompt cache from it ({exc})") from None
-    _check_metadata(path, metadata, model, draft)
+        raise _unreadable(path, str(exc)) from None
+    _check_metadata(path, metadata, arrays, model, draft)
     tokens = _tokens(path, metadata, TargetAdapter(model).vocab_size)
     options = _options(path, metadata)
     _check_asked(path, options, asked or {})
@@ -170,15 +191,68 @@ def _corrupt(path: str | Path, problem: str) -> PromptCacheError:
     return PromptCacheError(f"{path} is not a prompt cache as written: {problem} ({REMAKE})")
 
 
+def _check_file(path: str | Path) -> None:
+    """Refuse at once what is not a regular file (a named pipe would block the read for ever),
+    and a safetensors header whose tensors share bytes or lie outside the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe opens without a writer
+    except OSError as exc:
+        raise _unreadable(path, exc.strerror) from None
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(fd)
+        raise PromptCacheError(f"{path} is not a regular file, so no prompt cache")
+    with os.fdopen(fd, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if not 0 < length <= min(MAX_HEADER_BYTES, status.st_size - 8):
+            raise _unreadable(path, "no safetensors header fits in it")
+        try:
+            header = json.loads(file.read(length))
+        except (ValueError, RecursionError):
+            raise _unreadable(path, "its safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _unreadable(path, "its safetensors header is not a table of tensors")
+    data = status.st_size - 8 - length
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets))):
+            raise _unreadable(path, f"its header does not place the tensor {name!r}")
+        if not 0 <= offsets[0] <= offsets[1] <= data:
+            raise _unreadable(path, f"the tensor {name!r} lies outside the file")
+        spans.append((*offsets, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise _unreadable(path, f"the tensors {first!r} and {second!r} share bytes")
+
+
+def _unreadable(path: str | Path, why: str) -> PromptCacheError:
+    return PromptCacheError(f"{path}: cannot read a prompt cache from it ({why})")
+
+
 def _check_metadata(
-    path: str | Path, metadata: dict[str, str], model: nn.Module, draft: DFlashDraft | None
+    path: str | Path,
+    metadata: dict[str, str],
+    arrays: dict[str, mx.array],
+    model: nn.Module,
+    draft: DFlashDraft | None,
 ) -> None:
     if metadata.get("format") != FORMAT:
         raise PromptCacheError(f"{path} is not a dflash-mlx prompt cache (dflash-mlx cache-prompt)")
+    if "digest" not in metadata:
+        raise PromptCacheError(
+            f"{path} was written by an older dflash-mlx, without the digest that proves a file "
+            f"whole: {REMAKE}"
+        )
     if missing := [name for name in METADATA if name not in metadata]:
         raise _corrupt(path, f"no {missing[0]!r} field")
-    if unknown := sorted(set(metadata) - set(METADATA) - set(OPTIONAL)):
+    if unknown := sorted(set(metadata) - set(METADATA)):
         raise _corrupt(path, f"an unknown field {unknown[0]!r}")
+    if metadata["digest"] != digest(arrays, metadata):
+        raise _corrupt(path, "its contents do not match its digest (changed after it was written)")
     if metadata["model"] != fingerprint(model):
         raise PromptCacheError(f"{path} was made for another target model (or another dtype)")
     if metadata["draft"] != fingerprint(draft):
@@ -193,6 +267,8 @@ def _json(path: str | Path, metadata: dict[str, str], name: str) -> Any:
         return json.loads(metadata[name])
     except json.JSONDecodeError:
         raise _corrupt(path, f"its {name!r} field is not JSON") from None
+    except RecursionError:
+        raise _corrupt(path, f"its {name!r} field is nested too deeply") from None
 
 
 def _tokens(path: str | Path, metadata: dict[str, str], vocab_size: int) -> list[int]:
@@ -207,8 +283,6 @@ def _tokens(path: str | Path, metadata: dict[str, str], vocab_size: int) -> list
 def _options(path: str | Path, metadata: dict[str, str]) -> dict[str, Any]:
     """The cache options the file's caches were made with, checked as `stream_generate`
     checks them."""
-    if "options" not in metadata:
-        return dict(DEFAULT_OPTIONS)
     options = _json(path, metadata, "options")
     if not isinstance(options, dict) or set(options) != set(CACHE_SETTINGS):
         raise _corrupt(path, f"its 'options' field does not name the options {CACHE_SETTINGS}")

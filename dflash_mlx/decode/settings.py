@@ -110,15 +110,16 @@ class GenerationSettings:
 
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+MAX_POSITIONS = 2**31 - 1  # MLX indexes a cache's positions with 32-bit integers
 KV_GROUP_SIZES = (32, 64, 128)
 
 
 def check_cache_settings(settings: GenerationSettings) -> None:
     """Raise a one-line ValueError naming the first cache or prefill setting out of bounds."""
     if settings.max_kv_size is not None:
-        check_count("max_kv_size", settings.max_kv_size, 1)
+        check_count("max_kv_size", settings.max_kv_size, 1, MAX_POSITIONS)
     check_count("prefill_step_size", settings.prefill_step_size, 1)
-    check_count("quantized_kv_start", settings.quantized_kv_start, 0)
+    check_count("quantized_kv_start", settings.quantized_kv_start, 0, MAX_POSITIONS)
     bits, group_size = settings.kv_bits, settings.kv_group_size
     if bits is not None and not (is_int(bits) and bits in KV_BITS):
         raise ValueError(f"kv_bits must be one of {KV_BITS} (or None), got {bits!r}")
@@ -126,9 +127,11 @@ def check_cache_settings(settings: GenerationSettings) -> None:
         raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size!r}")
 
 
-def check_count(name: str, value: Any, least: int) -> None:
+def check_count(name: str, value: Any, least: int, most: int | None = None) -> None:
     if not is_int(value) or value < least:
         raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"{name} must be at most {most}, got {value!r}")
 
 
 def is_int(value: Any) -> bool:

@@ -24,7 +24,10 @@ and LM heads take a kernel that reads each packed weight once for 2-16 rows and 
 row as MLX's one-row product does, so verify logits equal decoding's bit for bit. On every
 backend, DeepSeek-V3.2's sparse attention (glm_moe_dsa) computes each verify query as
 decoding does (`sparse_attention.py`): mlx-lm writes one query and several two ways, and
-a top-k selection can turn their rounding into other keys.
+a top-k selection can turn their rounding into other keys. For the same reason a target with
+such an attention verifies with decoding's bits throughout: its forward keeps mlx-lm's SwiGLU
+and SDPA (whose exps `cpu_math` and the CUDA kernel round otherwise) and takes only the few-row
+products that sum as MLX's one-row product does (`BITWISE_FEW_ROWS`).
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ FEW_ROWS_CLASS = {
 }
 
 
+# The backends whose few-row products give each row MLX's one-row bits.
+BITWISE_FEW_ROWS = ("cpu", "metal")
+
+
 # The LM head as the drafter's block (2-16 rows) multiplies by it, per backend (None: MLX's).
 FEW_ROWS_HEAD = {
     "cpu": few_rows_quantized.head,
@@ -129,23 +136,29 @@ def verify_swaps(
     (`few_rows_quantized.few_rows_class`); on CUDA, over several positions, SDPA and the linear
     layers and LM head, plain or quantized (`kernels.cuda.few_rows_class`); on Metal, over
     several positions, the quantized ones (`metal_quantized.few_rows_class`). Over several
-    positions a sparse attention computes each query as decoding does (`sparse_class`).
+    positions a sparse attention computes each query as decoding does (`sparse_class`), and
+    the forward of a target with one takes no swap that changes bits (`BITWISE_FEW_ROWS`).
     `attention` replaces mlx-lm's `scaled_dot_product_attention` everywhere (a batched forward's,
     `rows.attention`, which calls the backend's own per row).
     """
     several = positions > 1
+    present = [m for module in filter(None, modules) for m in module.modules()]
+    # a top-k selection turns any rounding into other keys: decoding's bits everywhere
+    bitwise = several and any(isinstance(m, sparse_attention.SPARSE_ATTENTIONS) for m in present)
     few_rows_class = FEW_ROWS_CLASS.get(backend)
+    if bitwise and backend not in BITWISE_FEW_ROWS:
+        few_rows_class = None
+    replacing = None if bitwise else backend
     swaps = []
-    for module in filter(None, modules):
-        for m in module.modules():
-            if several and few_rows_class and (few := few_rows_class(m)):
-                swaps.append((m, type(m), few))
-            elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
-                swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
-            elif several and attention is None and (decoding := sparse_class(m, backend)):
-                swaps.append((m, type(m), decoding))
-            elif verify := verify_class(type(m), backend, several, attention):
-                swaps.append((m, type(m), verify))
+    for m in present:
+        if several and few_rows_class and (few := few_rows_class(m)):
+            swaps.append((m, type(m), few))
+        elif backend == "cpu" and type(m) in cpu_math.COMPILED_CLASSES:
+            swaps.append((m, type(m), cpu_math.COMPILED_CLASSES[type(m)]))
+        elif several and attention is None and (decoding := sparse_class(m, replacing)):
+            swaps.append((m, type(m), decoding))
+        elif verify := verify_class(type(m), replacing, several, attention):
+            swaps.append((m, type(m), verify))
     return swaps
 
 

@@ -19,9 +19,12 @@ exactly the keys that query sees (one small call per position, so that ties brea
 decoding, and the keys come in its order); then every query as a batch entry of its own, with
 decoding's shapes (as mlx-lm's deepseek_v41 attends), over its gathered latents in the
 absorbed form. Given the same inputs its output has decoding's bits
-(tests/test_sparse_attention.py); what still differs is what differs for every family: the
-rounding of products over several rows. Tree forwards (whose queries see their ancestors
-only) keep mlx-lm's several-query path.
+(tests/test_sparse_attention.py). What else would round otherwise in a verify forward
+(`cpu_math`'s exps in SwiGLUs, a GPU's products over several rows) `backends.verify_swaps`
+leaves out for a target with this attention: a selection turns the last bit into other keys.
+Tree forwards (whose queries see their ancestors only) keep
+mlx-lm's several-query path, which is why such a target refuses trees
+(`target.TREE_REFUSALS`).
 """
 
 from __future__ import annotations

@@ -229,7 +229,10 @@ FINAL_NORMS = ("norm", "norm_f", "embedding_norm")
 # embeds its block as that layer sees it.
 NORMALISED_EMBEDDINGS = ("muse_glimmer",)
 # Why a family's (or a cache kind's) attention cannot verify a tree: it does not take the
-# tree's positions and mask through the cache and RoPE modules `hooks.hooked` swaps.
+# tree's positions and mask through the cache and RoPE modules `hooks.hooked` swaps, or it
+# selects keys (`sparse_attention.py`), where a tree forward's rounding picks other keys than
+# decoding's (greedy output parted from mlx-lm's at 43 tokens on a tiny random glm_moe_dsa).
+_SELECTING = "its sparse indexer's top-k selection is computed as decoding does for chains only"
 TREE_REFUSALS = {
     RecurrentCache: "its recurrent layers cannot keep just the accepted path of a tree",
     ChunkCache: "its chunked attention builds its mask from positions, not from the cache",
@@ -237,6 +240,8 @@ TREE_REFUSALS = {
     "not through the cache's mask",
     "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot, and a tree's nodes "
     "do not sit in their path's slots",
+    "deepseek_v32": _SELECTING,
+    "glm_moe_dsa": _SELECTING,
 }
 # Submodules (by name) that extend their layer's cache by what a trim cannot drop: hooked to
 # checkpoint the cache, so that a rollback re-runs them on the kept positions.

@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from ..models.distributed import Lockstep, world_group
@@ -50,13 +51,14 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
         app.add_middleware(KeyCheck, key=policy.api_key)
     if policy.origins:
         app.add_middleware(
-            CORSMiddleware,
+            JsonCors,
             allow_origins=list(policy.origins),
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
     app.add_middleware(HostCheck, hosts=policy.hosts)  # added last: runs first
     app.get("/health")(api.health)
+    app.head("/health", include_in_schema=False)(api.health)  # as load balancers probe
     # Each route also without the /v1 prefix, as mlx_lm.server and OpenAI-style clients use.
     for path in ("/models", "/v1/models"):
         app.get(path)(api.models)
@@ -65,6 +67,20 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
     for path in ("/completions", "/v1/completions"):
         app.post(path)(api.completions)
     return app
+
+
+class JsonCors(CORSMiddleware):
+    """Starlette's CORS, its refused preflights (an origin, method or header not allowed)
+    answered in OpenAI's JSON shape instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        refusal = error(response.status_code, bytes(response.body).decode())
+        kept = {k: v for k, v in response.headers.items() if not k.startswith("content-")}
+        refusal.headers.update(kept)
+        return refusal
 
 
 async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

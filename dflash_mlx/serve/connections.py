@@ -8,12 +8,16 @@ finishes its request, many idle ones, or the process running out of file descrip
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .shapes import error_body
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,20 @@ class GuardedH11(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_clock()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (a Content-Length not a number, a
+        second Host header, TLS bytes), in OpenAI's JSON error shape instead of plain text."""
+        body = json.dumps(error_body(400, msg)).encode()
+        head = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        head.append((b"content-length", str(len(body)).encode()))
+        for event in (
+            h11.Response(status_code=400, headers=head, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         self.await_request()  # first: the call takes any pipelined request at once

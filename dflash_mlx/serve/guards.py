@@ -17,13 +17,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..options import DEFAULT_MAX_BODY_BYTES
 from .schemas import Strict
 from .shapes import error
+from .validation import Invalid, Validator
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,15 @@ class Unread(JSONResponse):
 CLIENT_GONE = "client gone before sending its whole request"
 
 
-async def parse(request: Request, schema: type[Strict], max_bytes: int) -> Any:
-    """The validated request body, or an error response naming the first problem.
+async def parse(request: Request, schema: type[Strict], max_bytes: int, validate: Validator) -> Any:
+    """The validated request body, prepared (`validation.Prepared`), or an error response
+    naming the first problem.
 
     Parsed here rather than by FastAPI's body injection so errors are in OpenAI's
     shape. Only JSON is taken (415): any other type a web page may send to this
     server without the browser asking it first (a CORS "simple request"). A body
-    over `max_bytes` is refused (413) before it is parsed, or read whole.
+    over `max_bytes` is refused (413) before it is parsed, or read whole; a large one is
+    validated off the event loop (`validate`).
     """
     if media_type(request) != "application/json":
         return error(415, "Content-Type must be application/json", "Content-Type")
@@ -74,13 +76,9 @@ async def parse(request: Request, schema: type[Strict], max_bytes: int) -> Any:
         message = f"the request body is over {max_bytes} bytes (--max-body-bytes)"
         return error(413, message, response=Unread)
     try:
-        return schema.model_validate_json(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        found = first.get("ctx", {}).get("error")
-        where = ".".join(str(p) for p in first["loc"]) or getattr(found, "field", "")
-        message = first["msg"].removeprefix("Value error, ")
-        return error(400, f"{where or 'body'}: {message}", where or None)
+        return await validate(schema, body)
+    except Invalid as exc:
+        return error(400, f"{exc.where or 'body'}: {exc.message}", exc.where or None)
 
 
 def media_type(request: Request) -> str:

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,8 +22,9 @@ from starlette.background import BackgroundTask
 from ..chat_format import chat_prompt
 from ..options import PROCESSOR_SETTINGS
 from .guards import Policy, parse
-from .schemas import PROMPT_CHARS_PER_TOKEN, ChatRequest, CompletionParams, TextRequest, text_size
+from .schemas import PROMPT_CHARS_PER_TOKEN, ChatRequest, CompletionParams, TextRequest
 from .shapes import OpenAIResponse, error
+from .validation import Prepared, Validator
 from .worker import Job, QueueFull, Worker
 
 RETRY_AFTER_S = 5  # what a 503 for a full queue tells the client to wait
@@ -37,14 +37,20 @@ class Api:
 
     def __init__(self, worker: Worker, model_id: str, policy: Policy):
         self.worker, self.model_id, self.policy = worker, model_id, policy
+        self.validate = Validator()
         context = worker.max_context
         self.max_chars = PROMPT_CHARS_PER_TOKEN * context if context else policy.max_body_bytes
         self.created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        """Once the server stops: the other ranks told the end, the worker's threads let go."""
-        yield
+        """Once the server stops: the other ranks told the end, the worker's threads let go
+        (and the processes that validate large bodies)."""
+        self.validate.start()
+        try:
+            yield
+        finally:
+            self.validate.close()
         worker = self.worker
         if worker.lockstep.group is not None:  # shutting down: after the last job, the end
             done = worker.executor.submit(worker.lockstep.send, None)
@@ -64,11 +70,11 @@ class Api:
         return {"object": "list", "data": [entry]}
 
     async def chat_completions(self, request: Request):
-        body = await self.accept(request, ChatRequest)
-        if isinstance(body, JSONResponse):
-            return body
-        messages = [m.for_template() for m in body.messages]
-        if too_long := self.over(text_size(messages) + text_size(body.tools), "messages"):
+        ready = await self.accept(request, ChatRequest)
+        if isinstance(ready, JSONResponse):
+            return ready
+        body, messages = ready.request, ready.messages
+        if too_long := self.over(ready.size, "messages"):
             return too_long
         worker = self.worker
         template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
@@ -81,10 +87,11 @@ class Api:
         return await self.complete(request, body, ids, "chat.completion")
 
     async def completions(self, request: Request):
-        body = await self.accept(request, TextRequest)
-        if isinstance(body, JSONResponse):
-            return body
-        if too_long := self.over(text_size(body.prompt), "prompt"):
+        ready = await self.accept(request, TextRequest)
+        if isinstance(ready, JSONResponse):
+            return ready
+        body = ready.request
+        if too_long := self.over(ready.size, "prompt"):
             return too_long
         try:
             ids = await self.worker.prepare(lambda: body.prompt)
@@ -92,13 +99,15 @@ class Api:
             return error(400, str(exc), "prompt")
         return await self.complete(request, body, ids, "text_completion")
 
-    async def accept(self, request: Request, schema: type[CompletionParams]) -> Any:
-        """The request's validated body, or the error answering it (a body this server does
-        not take, or a model it does not serve)."""
-        body = await parse(request, schema, self.policy.max_body_bytes)
-        if isinstance(body, JSONResponse):
-            return body
-        return self.unknown_model(body.model) or body
+    async def accept(
+        self, request: Request, schema: type[CompletionParams]
+    ) -> Prepared | JSONResponse:
+        """The request's validated body, prepared, or the error answering it (a body this
+        server does not take, or a model it does not serve)."""
+        ready = await parse(request, schema, self.policy.max_body_bytes, self.validate)
+        if isinstance(ready, JSONResponse):
+            return ready
+        return self.unknown_model(ready.request.model) or ready
 
     def unknown_model(self, name: str | None) -> JSONResponse | None:
         """404 for a model this server does not serve, as OpenAI answers: a client asking

@@ -92,8 +92,19 @@ class FunctionCall(Strict):
     @field_validator("arguments", mode="before")
     @classmethod
     def parse_arguments(cls, value: Any) -> Any:
-        """OpenAI sends the arguments as a JSON string; templates want the object."""
-        return json.loads(value) if isinstance(value, str) else value
+        """OpenAI sends the arguments as a JSON string; templates want the object. What the
+        body may not hold the string may not either (NaN, infinities), and nesting deeper
+        than Python's parser follows is the client's mistake (400), not the server's."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value, parse_constant=_no_constant)
+        except RecursionError:
+            raise ValueError("the arguments are nested too deeply to parse") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"the arguments hold {name}, which is not a JSON number")
 
 
 class ToolCall(Strict):
@@ -172,8 +183,8 @@ class CompletionParams(Strict):
     def token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
         if bias is None:
             return None
-        if not all(k.isdigit() for k in bias):
-            raise ValueError("keys must be token ids")
+        if not all(k.isascii() and k.isdigit() for k in bias):  # not "١٢" (int() takes it)
+            raise ValueError("keys must be token ids in ASCII digits")
         return {int(k): v for k, v in bias.items()}
 
     @field_validator("stop")

@@ -33,6 +33,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..chat_format import encode_prompt
 from ..decode.prompt_cache import PromptCache, PromptCacheStore, make_prompt_cache
 from ..decode.scheduler import make_batch
+from ..decode.settings import GenerationSettings
 from ..decode.stops import stop_at_strings
 from ..generate import stream_generate
 from ..models.distributed import Lockstep, abort, is_backend_error
@@ -44,7 +45,6 @@ from ..options import (
     DEFAULT_PROMPT_CACHE_SIZE,
 )
 from ..response import GenerationResponse
-from ..settings import GenerationSettings
 from .record import Recorder
 from .shapes import logprob_entries
 
