@@ -13,14 +13,18 @@ a watchdog ends a rank whose unit makes no progress (a peer that hangs).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
+from multiprocessing import resource_tracker
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -112,7 +116,21 @@ def abort(message: str) -> None:
     """Print `message` and end this process at once, from any thread, even while another
     is blocked inside a collective (the peers then see their connection lost)."""
     print(message, file=sys.stderr, flush=True)
+    end_child_processes()
     os._exit(1)
+
+
+def end_child_processes() -> None:
+    """Kill this process's multiprocessing children (e.g. the server's body validators), which
+    would outlive it holding its stdout and stderr open, and their resource tracker, which
+    would print warnings about their semaphores after `abort`'s message."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    pid = getattr(tracker, "_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class Lockstep:
