@@ -239,9 +239,10 @@ class Worker:
             self._fail(running, exc)
             return False
         running.put((response, entries))
-        running.reply += response.tokens
-        if response.finish_reason is not None and self.recorder is not None:
-            self.recorder.add(job.prompt, running.reply, response.finish_reason)
+        if self.recorder is not None:  # a reply's tokens are kept only to be recorded
+            running.reply += response.tokens
+            if response.finish_reason is not None:
+                self.recorder.add(job.prompt, running.reply, response.finish_reason)
         if running.stop.is_set() and response.finish_reason is None:
             log.info("client gone: stopped after %d tokens", response.generation_tokens)
         return True
@@ -302,7 +303,7 @@ class Running:
     stop: threading.Event
     put: Callable[[Any], None]
     responses: Iterator[GenerationResponse]
-    reply: list[int] = field(default_factory=list)  # the token ids committed so far
+    reply: list[int] = field(default_factory=list)  # its token ids so far, when recording
 
 
 @dataclass
