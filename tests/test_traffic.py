@@ -119,7 +119,7 @@ def test_finetune_from_conversations_writes_a_lossless_drafter(make_pair, tmp_pa
     [
         ("{not json", "chats.jsonl:2 is not a JSON object"),
         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "has no user turn"),
-        ('{"text": "hi"}', 'has neither "messages"'),
+        ('{"reply": "hi"}', 'has none of "messages"'),
     ],
 )
 def test_a_bad_conversation_file_is_one_line(make_pair, tmp_path, capsys, line, message):

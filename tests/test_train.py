@@ -57,7 +57,7 @@ def features_of(model, ids: np.ndarray, taps=TAPS) -> mx.array:
 @pytest.mark.parametrize("window", [None, 5])
 def test_context_mask_matches_brute_force(window):
     rng = np.random.default_rng(0)
-    anchors = sample_anchors(4, 30, 9, rng)
+    anchors = sample_anchors(np.arange(4, 29), 9, rng)
     mask = np.array(context_mask(anchors, 30, window))
     assert mask.shape == (len(anchors), 1, 1, 30)
     for i, a in enumerate(anchors):
@@ -70,11 +70,13 @@ def test_anchors_lie_in_the_reply_with_a_label():
     rng = np.random.default_rng(1)
     for _ in range(50):
         start, length = int(rng.integers(1, 20)), int(rng.integers(22, 60))
-        anchors = sample_anchors(start, length, 8, rng)
+        seq = Sequence(np.zeros(length, dtype=np.int32), start, mx.zeros((length, 4)))
+        anchors = sample_anchors(seq.anchors(), 8, rng)
         assert len(anchors) == min(8, length - 1 - start)
         assert np.all(np.diff(anchors) > 0)
         assert anchors.min() >= start and anchors.max() <= length - 2
-    assert len(sample_anchors(5, 6, 4, rng)) == 0
+    one_token = Sequence(np.zeros(6, dtype=np.int32), 5, mx.zeros((6, 4)))
+    assert len(sample_anchors(one_token.anchors(), 4, rng)) == 0
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -87,7 +89,7 @@ def test_training_forward_equals_inference_per_block(tiny, window):
         layer.self_attn.window = window
     ids = np.random.default_rng(0).integers(0, 300, size=40)
     feats = features_of(model, ids)
-    anchors = sample_anchors(5, 40, 10, np.random.default_rng(2))
+    anchors = sample_anchors(np.arange(5, 39), 10, np.random.default_rng(2))
     logits = target.lm_head(block_hidden(draft, target.embed_tokens, feats, ids, anchors))
     for i, p in enumerate(anchors):
         cache = draft.make_cache()
@@ -232,7 +234,7 @@ def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     # anchor, the first cycle of stream_generate on the prefix accepts the same prefix.
     for check in [s for s in data if len(s.ids) - s.start >= 24]:  # one with drafts accepted
         check = Sequence(check.ids, check.start, features_of(model, check.ids))
-        anchors = sample_anchors(check.start, len(check.ids), 16, np.random.default_rng(0))
+        anchors = sample_anchors(check.anchors(), 16, np.random.default_rng(0))
         anchors = anchors[anchors + 8 <= len(check.ids)]
         _, hits, _ = trainer.block_hits([(check, anchors)])
         expected = np.cumprod(hits, axis=1).sum(1)
@@ -310,14 +312,14 @@ def test_a_grown_drafter_starts_where_its_source_was_and_learns_in_its_new_layer
     assert len(grown.layers) == 3 and grown.config.num_hidden_layers == 3
     ids = np.random.default_rng(5).integers(0, 300, size=40)
     feats = features_of(model, ids)
-    anchors = sample_anchors(5, 40, 6, np.random.default_rng(6))
+    anchors = sample_anchors(np.arange(5, 39), 6, np.random.default_rng(6))
     hidden = [block_hidden(d, target.embed_tokens, feats, ids, anchors) for d in (source, grown)]
     assert mx.abs(hidden[0] - hidden[1]).max().item() < 1e-5
 
     trainer = Trainer(model, grown, TrainConfig(steps=2, warmup=1, lr=1e-3), vocab=None)
     trainer.train_step(
         [
-            (s, sample_anchors(s.start, len(s.ids), 4, np.random.default_rng(7)))
+            (s, sample_anchors(s.anchors(), 4, np.random.default_rng(7)))
             for s in tiny_data(model, n=2)
         ]
     )

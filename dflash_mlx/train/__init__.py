@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_data(args: argparse.Namespace, work: Path) -> None:
-    from .data import conversation_prompts, extend_dataset
+    from .data import conversation_prompts, extend_dataset, import_records, text_records
     from .prompts import build_prompts
 
     source = Path(args.source).expanduser() if args.source else None
@@ -325,6 +325,14 @@ def run_data(args: argparse.Namespace, work: Path) -> None:
     model, tokenizer = load_target(args)
     if source is not None and source.is_dir():
         import_recorded(source, model, work / "replies.jsonl")
+        return
+    texts = [p for p in prompts if "text" in p]
+    if texts:
+        records = [r for item in texts for r in text_records(tokenizer, item)]
+        added = import_records(records, work / "replies.jsonl")
+        print(f"{added} windows of {len(texts)} texts added -> {work / 'replies.jsonl'}")
+        prompts = [p for p in prompts if "text" not in p]
+    if not prompts:
         return
     extend_dataset(
         model, tokenizer, prompts, work / "replies.jsonl", args.max_tokens, args.batch_size
@@ -381,6 +389,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         finish_save,
         fit,
         grow_draft,
+        label_vocab,
         make_draft,
         scale_fc_to_features,
     )
@@ -391,8 +400,18 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     records = read_records(work / "replies.jsonl")
     records = records[: cached_records(work / "features", len(records))]
     features = load_features(work / "features", len(records))
-    data = [Sequence(np.array(r["ids"]), r["start"], **f) for r, f in zip(records, features)]
+    data = [
+        Sequence(np.array(r["ids"]), r["start"], **f, greedy=r.get("greedy", True))
+        for r, f in zip(records, features)
+    ]
 
+    teaching = [s for s in data if len(s.anchors())]
+    if len(teaching) < len(data):
+        print(
+            f"{len(data) - len(teaching)} sequences of text left out: the target would choose "
+            "none of their tokens itself, so they teach a drafter nothing"
+        )
+        data = teaching
     if not 0 <= args.val_seqs < len(data):
         raise ValueError(f"--val-seqs must be in [0, {len(data)}), got {args.val_seqs}")
     val = data[len(data) - args.val_seqs :] if args.val_seqs else []
@@ -401,7 +420,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         f"{len(data)} sequences, {sum(len(s.ids) - s.start for s in data)} reply tokens; "
         f"{len(val)} held out for validation"
     )
-    vocab = None if args.full_vocab else np.unique(np.concatenate([s.ids for s in data + val]))
+    vocab = None if args.full_vocab else label_vocab(data + val)
     ckpt = work / "ckpt"
     finish_save(ckpt)
     if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say

@@ -20,21 +20,45 @@ import numpy as np
 from ..models.draft import BlockContext, CandidateSelector, DFlashDraft
 
 
-def sample_anchors(
-    start: int, length: int, num_blocks: int, rng: np.random.Generator
-) -> np.ndarray:
-    """Up to `num_blocks` distinct sorted anchors in the reply, each with at least one label."""
-    candidates = np.arange(start, length - 1)
+def sample_anchors(candidates: np.ndarray, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to `num_blocks` distinct sorted anchors among `candidates` (`Sequence.anchors`)."""
     if len(candidates) <= num_blocks:
         return candidates
     return np.sort(rng.choice(candidates, size=num_blocks, replace=False))
 
 
-def block_labels(ids: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple:
-    """Labels (N, B-1) = tokens anchor+1..anchor+B-1 and a validity mask (past the end: 0)."""
+def target_path(
+    ids: np.ndarray, top_ids: np.ndarray, top_logp: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of text the target did not write: its greedy next token after every position (T,), and
+    whether each token of `ids` is the one it would have chosen there (T,; the first: true)."""
+    greedy = np.take_along_axis(top_ids, top_logp.argmax(-1, keepdims=True), -1)[:, 0]
+    chosen = np.ones(len(ids), dtype=bool)
+    chosen[1:] = ids[1:] == greedy[:-1]
+    return greedy, chosen
+
+
+def block_labels(
+    ids: np.ndarray,
+    anchors: np.ndarray,
+    block_size: int,
+    path: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple:
+    """Labels (N, B-1) = tokens anchor+1..anchor+B-1 and a validity mask (past the end: 0).
+
+    Given the `target_path` of text the target did not write, label k is the target's own
+    choice after the block's first k tokens, valid only while the tokens before it (the
+    anchor's successors) were its choices too: only then is it what decoding would ask the
+    drafter for, so such text teaches the target's greedy path and nothing else.
+    """
     pos = anchors[:, None] + np.arange(1, block_size)[None]
     valid = pos < len(ids)
-    return ids[np.minimum(pos, len(ids) - 1)], valid
+    clipped = np.minimum(pos, len(ids) - 1)
+    if path is None:
+        return ids[clipped], valid
+    greedy, chosen = path
+    valid[:, 1:] &= np.cumprod(chosen[clipped[:, :-1]], axis=1).astype(bool)
+    return greedy[clipped - 1], valid
 
 
 def position_weights(block_size: int, gamma: float) -> np.ndarray:

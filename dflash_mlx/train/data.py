@@ -157,7 +157,8 @@ def templated_ids(tokenizer: TokenizerWrapper, prompt: dict) -> list[int]:
 
 def conversation_prompts(path: Path) -> list[dict]:
     """Prompts from a JSONL file of chat conversations, one per line: {"messages": [...]}
-    (mlx-lm's and OpenAI's fine-tuning format) or {"prompt": "..."}.
+    (mlx-lm's and OpenAI's fine-tuning format) or {"prompt": "..."}; or texts, {"text": "..."}
+    (mlx-lm's text format), which `text_records` takes as they are.
 
     A conversation is kept up to its last user turn: the target writes the reply itself,
     so what a drafter learns is what the target would say, whoever wrote the file's reply.
@@ -174,15 +175,17 @@ def conversation_prompts(path: Path) -> list[dict]:
         if not isinstance(record, dict):
             raise ValueError(f"{where} is not a JSON object")
         prompt = {"id": f"{path.stem}-{number:06d}", "category": path.stem}
-        if isinstance(record.get("prompt"), str) and record["prompt"]:
-            prompts.append({**prompt, "prompt": record["prompt"]})
+        given = [k for k in ("prompt", "text") if isinstance(record.get(k), str) and record[k]]
+        if given:
+            prompts.append({**prompt, given[0]: record[given[0]]})
             continue
         messages = record.get("messages")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
         ):
             raise ValueError(
-                f'{where} has neither "messages" (a list of {{"role", "content"}}) nor "prompt"'
+                f'{where} has none of "messages" (a list of {{"role", "content"}}), "prompt" '
+                'or "text"'
             )
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users:
@@ -191,10 +194,38 @@ def conversation_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def import_records(source: Path, path: Path) -> int:
-    """Append the records of `source` (a `serve --record` directory or a records file) that
-    `path` lacks; how many were added."""
-    records = read_records(source / "replies.jsonl" if source.is_dir() else source)
+def text_records(
+    tokenizer: TokenizerWrapper, item: dict, window: int = 256, context: int = 32
+) -> list[dict]:
+    """Records of a text the target did not write (`item["text"]`): windows of `window` tokens
+    (the drafter's context window), each overlapping the one before by `context` tokens that
+    it sees but is not trained on, so every token after the first `context` is labelled once.
+    Marked "greedy": false: the trainer learns only the target's greedy path through them
+    (`trainer.Sequence`), which one forward per window gives, no decoding."""
+    ids = tokenizer.encode(item["text"], add_special_tokens=False)
+    records = []
+    for begin in range(0, max(len(ids) - context, 1), window - context):
+        piece = ids[begin : begin + window]
+        if len(piece) > context + 1:
+            number = len(records)
+            records.append(
+                {
+                    "id": f"{item['id']}-{number:04d}",
+                    "category": item["category"],
+                    "ids": piece,
+                    "start": context,
+                    "greedy": False,
+                }
+            )
+    return records
+
+
+def import_records(source: Path | list[dict], path: Path) -> int:
+    """Append the records of `source` (a `serve --record` directory, a records file, or the
+    records themselves) that `path` lacks; how many were added."""
+    if isinstance(source, Path):
+        source = read_records(source / "replies.jsonl" if source.is_dir() else source)
+    records = source
     done = {r["id"] for r in read_records(path)}
     new = [r for r in records if r["id"] not in done]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -36,6 +36,7 @@ from .blocks import (
     sample_anchors,
     selector_loss,
     soft_labels,
+    target_path,
 )
 
 
@@ -64,7 +65,12 @@ class TrainConfig:
 @dataclass
 class Sequence:
     """Prompt + reply token ids (reply from `start`), cached target features, soft labels and
-    the target's final hidden states (`features.sequence_features`)."""
+    the target's final hidden states (`features.sequence_features`).
+
+    `greedy`: the reply is the target's own greedy output. Otherwise (text it did not write,
+    a sampled reply) blocks are anchored and labelled on the target's greedy path through it
+    (`blocks.target_path`), which its soft labels give.
+    """
 
     ids: np.ndarray
     start: int
@@ -72,6 +78,21 @@ class Sequence:
     top_ids: mx.array | None = None
     top_logp: mx.array | None = None
     last_hidden: mx.array | None = None
+    greedy: bool = True
+    path: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.greedy:
+            if self.top_ids is None:
+                raise ValueError("a reply the target did not write greedily needs its soft labels")
+            top_logp = np.array(self.top_logp.astype(mx.float32))
+            self.path = target_path(self.ids, np.array(self.top_ids), top_logp)
+
+    def anchors(self) -> np.ndarray:
+        """The positions a block can be anchored at: in the reply, with a label after it, and
+        (text the target did not write) on its greedy path."""
+        positions = np.arange(self.start, len(self.ids) - 1)
+        return positions if self.path is None else positions[self.path[1][positions]]
 
 
 class DraftShape(Protocol):
@@ -232,6 +253,13 @@ def scale_fc_to_features(draft: DFlashDraft, features: list[mx.array]) -> None:
     mx.eval(draft.fc.weight)
 
 
+def label_vocab(data: list[Sequence]) -> np.ndarray:
+    """The tokens a label can be: every token of the data, and the target's greedy choices
+    through what it did not write."""
+    tokens = [s.ids for s in data] + [s.path[0] for s in data if s.path is not None]
+    return np.unique(np.concatenate(tokens))
+
+
 def lr_schedule(cfg: TrainConfig) -> optim.schedulers.Callable:
     warm = optim.linear_schedule(cfg.lr / cfg.warmup, cfg.lr, cfg.warmup)
     cosine = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), cfg.lr * cfg.min_lr_ratio)
@@ -249,7 +277,7 @@ def step_batch(
         index = int(np.random.default_rng([cfg.seed, epoch]).permutation(len(data))[pos])
         seq = data[index]
         rng = np.random.default_rng([cfg.seed, epoch, index])
-        out.append((seq, sample_anchors(seq.start, len(seq.ids), cfg.blocks_per_seq, rng)))
+        out.append((seq, sample_anchors(seq.anchors(), cfg.blocks_per_seq, rng)))
     return out
 
 
@@ -343,7 +371,7 @@ class Trainer:
     def _batch(self, pairs: list[tuple[Sequence, np.ndarray]]) -> tuple[list, list]:
         """The loss inputs of all blocks of `pairs`, and each block's label-validity mask."""
         labelled = [
-            (seq, anchors, *block_labels(seq.ids, anchors, self.draft.config.block_size))
+            (seq, anchors, *block_labels(seq.ids, anchors, self.draft.config.block_size, seq.path))
             for seq, anchors in pairs
         ]
         norm = sum((self.weights * ok).sum() for *_, ok in labelled)
