@@ -147,3 +147,26 @@ def test_lockstep_replies_are_the_targets_greedy_replies(loaded):
         assert r["ids"][r["start"] :] == expected
         lengths.add(len(expected))
     assert len(lengths) > 1  # some rows stopped early, and the others went on without them
+
+
+def test_replies_kept_compressed_are_imported_as_they_are(make_pair, tmp_path, capsys):
+    """Another run's replies.jsonl, kept xz-compressed, goes back into a work dir unchanged
+    (the target is not asked again), and a rerun adds nothing twice."""
+    import lzma
+
+    target, _ = make_pair(MODEL)
+    records = [
+        {"id": f"chat-{i}", "category": "chat", "ids": [1, 2, 3 + i, 4], "start": 2}
+        for i in range(3)
+    ]
+    kept = tmp_path / "kept.jsonl.xz"
+    with lzma.open(kept, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    work = tmp_path / "work"
+    for _ in range(2):
+        cli.main(
+            ["train", "data", "--from", str(kept), "--model", str(target), "--work", str(work)]
+        )
+    assert read_records(work / "replies.jsonl") == records
+    printed = capsys.readouterr().out
+    assert "3 stored replies added" in printed and "0 stored replies added" in printed

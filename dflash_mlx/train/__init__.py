@@ -213,7 +213,9 @@ def add_source_argument(parser: argparse.ArgumentParser, required: bool) -> None
         required=required,
         help="a `serve --record` directory (its replies are taken as they are) or a JSONL file "
         'of chat conversations ({"messages": [...]} or {"prompt": "..."} per line; the target '
-        "replies to each, up to its last user turn)",
+        'replies to each, up to its last user turn), texts ({"text": "..."}: windows of '
+        "256 tokens, on which a drafter learns the target's greedy path through them) and "
+        "another run's replies.jsonl records; .xz and .gz files are read decompressed",
     )
 
 
@@ -326,12 +328,16 @@ def run_data(args: argparse.Namespace, work: Path) -> None:
     if source is not None and source.is_dir():
         import_recorded(source, model, work / "replies.jsonl")
         return
+    kept = [p["record"] for p in prompts if "record" in p]
+    if kept:
+        added = import_records(kept, work / "replies.jsonl")
+        print(f"{added} stored replies added -> {work / 'replies.jsonl'}")
     texts = [p for p in prompts if "text" in p]
     if texts:
         records = [r for item in texts for r in text_records(tokenizer, item)]
         added = import_records(records, work / "replies.jsonl")
         print(f"{added} windows of {len(texts)} texts added -> {work / 'replies.jsonl'}")
-        prompts = [p for p in prompts if "text" not in p]
+    prompts = [p for p in prompts if "text" not in p and "record" not in p]
     if not prompts:
         return
     extend_dataset(

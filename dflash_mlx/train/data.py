@@ -10,7 +10,9 @@ target's own already and are taken as they are (`import_records`).
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,15 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..chat_format import chat_prompt, encode_prompt, render
 
 
+def read_text(path: Path) -> str:
+    """A file's text, xz- or gzip-decompressed by its suffix (data kept compact)."""
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix)
+    if opener is None:
+        return path.read_text(encoding="utf-8")
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
 def read_records(path: Path) -> list[dict]:
     """Records {id, category, ids, start}: `ids` = prompt + reply, reply from `start`.
 
@@ -32,7 +43,7 @@ def read_records(path: Path) -> list[dict]:
     """
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = read_text(path).splitlines()
     out = []
     for number, line in enumerate(lines, 1):
         try:
@@ -158,13 +169,14 @@ def templated_ids(tokenizer: TokenizerWrapper, prompt: dict) -> list[int]:
 def conversation_prompts(path: Path) -> list[dict]:
     """Prompts from a JSONL file of chat conversations, one per line: {"messages": [...]}
     (mlx-lm's and OpenAI's fine-tuning format) or {"prompt": "..."}; or texts, {"text": "..."}
-    (mlx-lm's text format), which `text_records` takes as they are.
+    (mlx-lm's text format), which `text_records` takes as they are; or records another run
+    stored ({"ids": [...], "start": n, ...}, `read_records`), kept as {"record": ...}.
 
     A conversation is kept up to its last user turn: the target writes the reply itself,
     so what a drafter learns is what the target would say, whoever wrote the file's reply.
     """
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -174,6 +186,9 @@ def conversation_prompts(path: Path) -> list[dict]:
             raise ValueError(f"{where} is not a JSON object ({exc})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where} is not a JSON object")
+        if isinstance(record.get("ids"), list) and isinstance(record.get("start"), int):
+            prompts.append({"record": {"id": f"{path.stem}-{number:06d}", **record}})
+            continue
         prompt = {"id": f"{path.stem}-{number:06d}", "category": path.stem}
         given = [k for k in ("prompt", "text") if isinstance(record.get(k), str) and record[k]]
         if given:
@@ -202,7 +217,7 @@ def text_records(
     it sees but is not trained on, so every token after the first `context` is labelled once.
     Marked "greedy": false: the trainer learns only the target's greedy path through them
     (`trainer.Sequence`), which one forward per window gives, no decoding."""
-    ids = tokenizer.encode(item["text"], add_special_tokens=False)
+    ids = tokenizer.encode(item["text"], add_special_tokens=False, verbose=False)  # any length
     records = []
     for begin in range(0, max(len(ids) - context, 1), window - context):
         piece = ids[begin : begin + window]
