@@ -132,6 +132,14 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class DflashOptions(Strict):
+    """This server's own request fields, under `dflash` (OpenAI clients send them as extra
+    body): `draft: false` decodes the reply without drafting (plain steps, as `--block-size
+    1`), to compare against."""
+
+    draft: bool = True
+
+
 class CompletionParams(Strict):
     """Fields both endpoints take; unset sampling fields fall back to the server's flags."""
 
@@ -159,6 +167,7 @@ class CompletionParams(Strict):
     frequency_context_size: int | None = Field(None, ge=0, le=MAX_INDEX)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    dflash: DflashOptions | None = None
 
     @property
     def alternatives(self) -> int | None:
