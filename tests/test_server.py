@@ -258,6 +258,12 @@ MESSAGES = b'{"messages": [{"role": "user", "content": "hi"}]}'
             "response_format",
         ),
         ("/v1/chat/completions", MESSAGES[:-1] + b', "stop": 5}', "stop"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+            b'{"url": "data:image/png;base64,AAAA"}}]}]}',
+            "messages.0.content: image parts are not supported: this server prefills text",
+        ),
     ],
 )
 def test_malformed_requests_get_400_with_a_message(server, path, body, message):

@@ -72,6 +72,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# The content parts that carry an image, as mlx_lm.server reads them.
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 class FieldError(ValueError):
     """A whole request's check that found one field wrong (its error names `field`)."""
 
@@ -119,6 +123,18 @@ class Message(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def no_images(cls, content: Any) -> Any:
+        """An image part is refused with why (not as a part that is not text)."""
+        parts = content if isinstance(content, list) else []
+        if any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in parts):
+            raise ValueError(
+                "image parts are not supported: this server prefills text prompts only, and "
+                "its drafters draft from text"
+            )
+        return content
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (text content, parsed tool arguments)."""
