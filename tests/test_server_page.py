@@ -25,9 +25,10 @@ QUESTION = "Why is the sky blue?"
 KEY = "page-test-key"
 WAIT_S = 300  # for a reply: generous, the machine may be loaded
 # The page as the test reads it: the last reply's state, text and pieces by source, and the
-# stats bar.
+# stats bar (null before the reply's turn is on the page).
 READ_PAGE = """
 const turn = document.querySelector('.turn.assistant:last-of-type');
+if (!turn) return null;
 const spans = [...turn.querySelectorAll('.text > span')];
 const stat = (id) => document.getElementById(id).textContent;
 return {
@@ -70,11 +71,8 @@ def ask(browser, question: str, drafting: bool = True) -> dict:
     browser.find_element(By.ID, "prompt").send_keys(question + "\n")
 
     def ended(driver) -> dict | bool:
-        page = driver.execute_script(
-            "const t = document.querySelector('.turn.assistant:last-of-type');"
-            "return t && t.dataset.state !== 'streaming' ? true : false;"
-        )
-        return page and driver.execute_script(READ_PAGE)
+        page = driver.execute_script(READ_PAGE)
+        return page if page and page["state"] != "streaming" else False
 
     page = WebDriverWait(browser, WAIT_S, poll_frequency=0.2).until(ended)
     assert page["state"] == "done", page
