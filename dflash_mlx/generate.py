@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
 from .chat_format import encode_prompt
 from .decode.adaptive import AdaptiveBlock, AdaptiveStrategy, AdaptiveTree
@@ -156,14 +156,17 @@ def stream(
                 last = commit.finish is not None
                 drafting.record(commit.proposed, commit.accepted, commit.tree, last, commit.rows)
             generated += len(commit.tokens)
-            for t in commit.tokens:
-                if t not in eos:
-                    detokenizer.add_token(t)
+            # the text the cycle's accepted drafts make readable, then its own token's
+            drafted = min(commit.accepted, len(commit.tokens))
+            add_tokens(detokenizer, commit.tokens[:drafted], eos)
+            from_drafts = detokenizer.last_segment
+            add_tokens(detokenizer, commit.tokens[drafted:], eos)
             if commit.finish:
                 detokenizer.finalize()
+            own = detokenizer.last_segment
             logits = commit.logits
             yield GenerationResponse(
-                text=detokenizer.last_segment,
+                text=from_drafts + own,
                 tokens=commit.tokens,
                 accepted=commit.accepted,
                 proposed=commit.proposed,
@@ -175,9 +178,17 @@ def stream(
                 finish_reason=commit.finish,
                 logprobs=logits - mx.logsumexp(logits, axis=-1, keepdims=True),
                 drafting=drafting,
+                sources=[(len(t), d) for t, d in ((from_drafts, True), (own, False)) if t],
             )
     finally:
         commits.close()
+
+
+def add_tokens(detokenizer: StreamingDetokenizer, tokens: list[int], eos: set[int]) -> None:
+    """Add `tokens` to the reply's text, but the EOS tokens (never shown)."""
+    for t in tokens:
+        if t not in eos:
+            detokenizer.add_token(t)
 
 
 def generate(

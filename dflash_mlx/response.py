@@ -100,6 +100,9 @@ class GenerationResponse:
             processors, before temperature) at each token's position, as mlx-lm's
             `logprobs`; lazy, so computed only if read.
         drafting: the reply's cycles so far by kind, and why drafting was off where it was.
+        sources: where `text` came from, in order: runs of (characters, whether the cycle's
+            accepted drafts made them readable, else the target's own token); a cycle's
+            drafts come before its token, so it has at most one run of each.
     """
 
     text: str
@@ -114,11 +117,26 @@ class GenerationResponse:
     finish_reason: str | None = None
     logprobs: mx.array | None = None
     drafting: Drafting | None = None
+    sources: list[tuple[int, bool]] = field(default_factory=list)
 
     @property
     def token(self) -> int:
         """The last committed token, as in mlx-lm's response."""
         return self.tokens[-1]
+
+
+def cut_sources(
+    sources: list[tuple[int, bool]], chars: int
+) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+    """`sources` (runs of characters, as `GenerationResponse.sources`) split after the first
+    `chars` characters: what is kept of a text cut there, and what is held back."""
+    head, tail = [], []
+    for count, drafted in sources:
+        taken = min(count, max(chars, 0))
+        chars -= taken
+        head += [(taken, drafted)] if taken else []
+        tail += [(count - taken, drafted)] if count > taken else []
+    return head, tail
 
 
 RULE = "=" * 10  # what mlx_lm.generate prints before and after the reply when verbose

@@ -3,6 +3,7 @@ mlx-lm it declares, and the MLX floors are the ones that mlx-lm needs."""
 
 import ast
 import importlib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ FIRST_RELEASE = {
     ("mlx_lm.sample_utils", "make_logits_processors"): "0.22.0",
     ("mlx_lm.sample_utils", "make_sampler"): "0.22.0",
     ("mlx_lm.server", "ToolCallFormatter"): "0.31.2",
+    ("mlx_lm.tokenizer_utils", "StreamingDetokenizer"): "0.22.0",
     ("mlx_lm.tokenizer_utils", "TokenizerWrapper"): "0.22.0",
     ("mlx_lm.utils", "dequantize_model"): "0.22.0",
     ("mlx_lm.utils", "load"): "0.22.0",
@@ -121,3 +123,15 @@ def test_mlx_floors_are_the_ones_the_declared_mlx_lm_needs():
         'platform_system == "Linux"',
     }, "MLX on macOS, MLX's CPU build elsewhere, and the cuda extra"
     assert {floor(r) for r in mlx} == {needed}
+
+
+def test_the_server_page_ships_in_the_package():
+    """A non-editable install has the chat page's files: pyproject's package data takes each
+    file the page serves, and the page serves each file there is."""
+    from dflash_mlx.serve.page import FILES, STATIC
+
+    setuptools = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["dflash_mlx.serve"]
+    shipped = {p.relative_to(STATIC.parent).as_posix() for p in STATIC.iterdir()}
+    assert shipped == {f"static/{name}" for name, _ in FILES.values()}
+    assert all(any(fnmatch(f, g) for g in globs) for f in shipped), (shipped, globs)

@@ -169,6 +169,10 @@ def test_streaming_matches_the_whole_reply(client):
     assert text == whole
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and "dflash" in finals[0].model_extra
+    for chunk in chunks[1:-1]:  # each chunk's content, by where it came from, and live stats
+        live = chunk.model_extra["dflash"]
+        pieces = "".join(piece for piece, _ in live["sources"])
+        assert pieces == (chunk.choices[0].delta.content or "") and live["generation_tps"] > 0
     assert (
         chunks[-1].usage.completion_tokens == finals[0].model_extra["dflash"]["generation_tokens"]
     )
@@ -179,6 +183,21 @@ def test_streaming_matches_the_whole_reply(client):
         streamed
         == client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10).choices[0].text
     )
+
+
+def test_a_request_can_turn_drafting_off(client, loaded):
+    """`dflash: {"draft": false}`: the same greedy text, decoded in plain steps."""
+    off = {"dflash": {"draft": False}}
+    for stream in (False, True):
+        reply = chat(client, PROMPTS[4], max_tokens=12, stream=stream, extra_body=off)
+        chunks = list(reply) if stream else [reply]
+        blocks = [c.model_extra["dflash"] for c in chunks if "dflash" in c.model_extra]
+        stats = blocks[-1]
+        assert stats["strategy"] == f"plain {stats['cycles']}" and stats["accepted"] == 0
+        parts = [c.choices[0].delta if stream else c.choices[0].message for c in chunks]
+        text = "".join(part.content or "" for part in parts)
+        assert text == greedy_text(loaded, PROMPTS[4], 12)[0]
+        assert {source for b in blocks for _, source in b["sources"]} == {"target"}
 
 
 def test_concurrent_requests_each_get_their_own_answer(client):
@@ -239,6 +258,12 @@ MESSAGES = b'{"messages": [{"role": "user", "content": "hi"}]}'
             "response_format",
         ),
         ("/v1/chat/completions", MESSAGES[:-1] + b', "stop": 5}', "stop"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+            b'{"url": "data:image/png;base64,AAAA"}}]}]}',
+            "messages.0.content: image parts are not supported: this server prefills text",
+        ),
     ],
 )
 def test_malformed_requests_get_400_with_a_message(server, path, body, message):

@@ -6,7 +6,8 @@ import time
 
 from test_cli import dflash_in_process, greedy_text
 
-from dflash_mlx.decode.stops import StopStrings
+from dflash_mlx import GenerationResponse
+from dflash_mlx.decode.stops import StopStrings, stop_at_strings
 
 
 def stop_in(text: str, start: int = 6) -> str:
@@ -50,6 +51,32 @@ def test_the_matcher_agrees_with_a_search_of_the_whole_text():
             assert emitted == text[: min(found)]
         else:  # nothing held back is lost
             assert emitted + matcher.flush() == text
+
+
+def test_cut_replies_keep_where_each_character_came_from():
+    """Text from accepted drafts in upper case, the target's own in lower case: cut at stop
+    strings and held back across cycles, each response's `sources` still tell them apart,
+    and nothing is lost where no stop string ends the reply."""
+    rng = random.Random(1)
+    for _ in range(1000):
+        stops = ["".join(rng.choices("aAbB", k=rng.randint(1, 4))) for _ in range(2)]
+        cycles = []
+        for i in range(6):
+            drafted = "".join(rng.choices("AB", k=rng.randint(0, 4)))
+            own = "".join(rng.choices("ab", k=rng.randint(0, 2)))
+            sources = [(len(t), d) for t, d in ((drafted, True), (own, False)) if t]
+            cycles.append(
+                GenerationResponse(
+                    drafted + own, [0], len(drafted), 4, 1, 0.0, i + 1, 0.0, 0.0,
+                    finish_reason="length" if i == 5 else None, sources=sources,
+                )
+            )  # fmt: skip
+        out = list(stop_at_strings((c for c in cycles), stops))
+        for response in out:
+            flags = [drafted for count, drafted in response.sources for _ in range(count)]
+            assert flags == [c.isupper() for c in response.text]
+        if out[-1].finish_reason == "length":
+            assert "".join(r.text for r in out) == "".join(c.text for c in cycles)
 
 
 def test_matching_time_is_linear_in_the_text_fed():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import replace
 
-from ..response import GenerationResponse
+from ..response import GenerationResponse, cut_sources
 
 
 def borders(stop: str) -> list[int]:
@@ -87,20 +87,24 @@ def stop_at_strings(
     """`responses` with their text cut at the first stop string, ending there ("stop").
 
     The response that completes a stop string is the last one: its `tokens`
-    still list everything that cycle committed, the text only what precedes it.
+    still list everything that cycle committed, the text only what precedes it. Each
+    response's `sources` follow its text (held-back text keeps where it came from).
     """
     matcher = StopStrings(stops)
     if not matcher.stops:
         yield from responses
         return
+    held: list[tuple[int, bool]] = []  # where the held-back text came from
     try:
         for response in responses:
             text, stopped = matcher.feed(response.text)
+            sources, held = cut_sources(held + response.sources, len(text))
             if stopped:
-                yield replace(response, text=text, finish_reason="stop")
+                yield replace(response, text=text, finish_reason="stop", sources=sources)
                 return
             if response.finish_reason is not None:
                 text += matcher.flush()
-            yield replace(response, text=text)
+                sources, held = sources + held, []
+            yield replace(response, text=text, sources=sources)
     finally:
         responses.close()

@@ -11,6 +11,7 @@ shapes to write. Its parts, each depending only on those listed before it:
 - `guards`: who may call and how much a request may send (Host, API key, body size);
 - `worker`: the thread that runs the generations, batched, and its queue;
 - `routes`: the handlers, from a request's body to its reply;
+- `page`: the chat page's static files (`static/`), which call the API;
 - `connections`: connection-level guards under uvicorn (request deadlines, the connection
   limit, floods logged once);
 - `app`: the FastAPI app with its middleware, and the uvicorn server that runs it.

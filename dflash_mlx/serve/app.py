@@ -27,6 +27,7 @@ from ..models.target import TargetAdapter
 from ..options import generation_settings, load_cache_file, load_models, processor_settings
 from .connections import GuardedH11, Repeats
 from .guards import LOCAL_HOSTS, NOISY, HostCheck, KeyCheck, Policy, host_name, served_hosts
+from .page import FILES, add_page
 from .record import Recorder
 from .routes import Api
 from .shapes import error
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 STARTUP_FAILURE = 3  # the exit status of a server that could not start, as `uvicorn.run`'s
 KEEP_ALIVE_S = 5  # an idle connection is closed after this long
+OPEN_PATHS = ("/health", *FILES)  # served without the API key
 
 
 def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> FastAPI:
@@ -48,7 +50,7 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_fault)
     if policy.api_key:  # inside CORS, which answers browsers' preflights without a key
-        app.add_middleware(KeyCheck, key=policy.api_key)
+        app.add_middleware(KeyCheck, key=policy.api_key, open_paths=frozenset(OPEN_PATHS))
     if policy.origins:
         app.add_middleware(
             JsonCors,
@@ -57,6 +59,7 @@ def create_app(worker: Worker, model_id: str, policy: Policy | None = None) -> F
             allow_headers=["Authorization", "Content-Type"],
         )
     app.add_middleware(HostCheck, hosts=policy.hosts)  # added last: runs first
+    add_page(app)
     app.get("/health")(api.health)
     app.head("/health", include_in_schema=False)(api.health)  # as load balancers probe
     # Each route also without the /v1 prefix, as mlx_lm.server and OpenAI-style clients use.

@@ -150,13 +150,14 @@ class HostCheck:
 
 class KeyCheck:
     """ASGI middleware answering 401 to an API request without `Authorization: Bearer
-    <key>` (compared in constant time). /health stays open for load balancers."""
+    <key>` (compared in constant time). `open_paths` need none: /health for load balancers,
+    the chat page's files (the page asks for the key, and sends it to the API)."""
 
-    def __init__(self, app: ASGIApp, key: str):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str]):
+        self.app, self.key, self.open_paths = app, key.encode(), open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.strip().partition(b" ")
             matches = hmac.compare_digest(token.strip(), self.key)

@@ -175,6 +175,8 @@ class Api:
             "xtc_threshold": body.xtc_threshold,
         }
         kwargs = {k: v for k, v in requested.items() if v is not None}
+        if body.dflash and not body.dflash.draft:  # plain steps, whatever the flags ask
+            kwargs.update(block_size=1, tree_budget=None, adaptive=None)
         max_tokens = kwargs.get("max_tokens", worker.defaults.max_tokens)
         kwargs["max_tokens"] = min(max_tokens, room or max_tokens)
         settings = {k: getattr(body, k) for k in PROCESSOR_SETTINGS if getattr(body, k) is not None}

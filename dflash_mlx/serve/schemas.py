@@ -72,6 +72,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# The content parts that carry an image, as mlx_lm.server reads them.
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 class FieldError(ValueError):
     """A whole request's check that found one field wrong (its error names `field`)."""
 
@@ -120,6 +124,18 @@ class Message(Strict):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def no_images(cls, content: Any) -> Any:
+        """An image part is refused with why (not as a part that is not text)."""
+        parts = content if isinstance(content, list) else []
+        if any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in parts):
+            raise ValueError(
+                "image parts are not supported: this server prefills text prompts only, and "
+                "its drafters draft from text"
+            )
+        return content
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (text content, parsed tool arguments)."""
         message = self.model_dump(exclude_none=True)
@@ -130,6 +146,14 @@ class Message(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class DflashOptions(Strict):
+    """This server's own request fields, under `dflash` (OpenAI clients send them as extra
+    body): `draft: false` decodes the reply without drafting (plain steps, as `--block-size
+    1`), to compare against."""
+
+    draft: bool = True
 
 
 class CompletionParams(Strict):
@@ -159,6 +183,7 @@ class CompletionParams(Strict):
     frequency_context_size: int | None = Field(None, ge=0, le=MAX_INDEX)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    dflash: DflashOptions | None = None
 
     @property
     def alternatives(self) -> int | None:

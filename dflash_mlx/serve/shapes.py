@@ -26,6 +26,8 @@ NO_LOGPROB = -9999.0
 # The finish reason of a reply whose generation stopped before its end (the server shutting
 # down): cut short, as by its token limit. OpenAI's reasons have none of its own.
 CUT_SHORT = "length"
+# The stats a streamed chunk before the last carries under `dflash` (the last has them all).
+LIVE_STATS = ("generation_tokens", "generation_tps", "tau", "accepted", "strategy")
 
 
 def error(
@@ -70,6 +72,16 @@ def logprob_entries(
             response.tokens, chosen.tolist(), best, best_logprobs, strict=True
         )
     ]
+
+
+def pieces(response: GenerationResponse) -> list[tuple[str, bool]]:
+    """The response's text in pieces, each with whether accepted drafts made it readable
+    (`GenerationResponse.sources`; text they do not cover is the target's)."""
+    parts, start = [], 0
+    for count, drafted in response.sources:
+        parts.append((response.text[start : start + count], drafted))
+        start += count
+    return [*parts, (response.text[start:], False)]
 
 
 def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
@@ -118,24 +130,30 @@ class OpenAIResponse:
         self.tool_calls = ToolCallFormatter(tokenizer.tool_parser, tools, stream)
         self.made_tool_call, self.previous = False, None
         self.content, self.reasoning, self.tool_text, self.calls = "", "", "", []
+        self.sources: list[list[str]] = []  # the content's pieces since the last chunk
         self.with_logprobs, self.logprobs = with_logprobs, []
 
     def add(self, response: GenerationResponse, logprobs: list[dict] | None = None) -> None:
         """Take one response's text into content, reasoning and finished tool calls, and
-        its tokens' logprobs entries (`logprob_entries`) if asked for."""
+        its tokens' logprobs entries (`logprob_entries`) if asked for. The content's pieces
+        keep where they came from (`sources`); text a chat's markers held back goes with
+        the piece that let it out."""
         self.stats.add(response)
         self.logprobs.extend(logprobs or [])
         if not self.chat:
-            self.content += response.text
+            self.take_content(pieces(response))
             return
-        self.state, segments = TextStateMachine.split(self.state, response.text)
+        segments = []
+        for text, drafted in pieces(response):
+            self.state, split = TextStateMachine.split(self.state, text)
+            segments += [(state, part, drafted) for state, part in split]
         if response.finish_reason == "stop":
             self.state, current = TextStateMachine.discard(self.state)
-            segments.append((current, ""))
+            segments.append((current, "", False))
         elif response.finish_reason == "length":
             self.state, flushed, current = TextStateMachine.flush(self.state)
-            segments.append((current, flushed))
-        for state, text in segments:
+            segments.append((current, flushed, False))
+        for state, text, drafted in segments:
             if state == "reasoning":
                 self.reasoning += text
             elif state == "tool":
@@ -143,10 +161,20 @@ class OpenAIResponse:
             elif state == "normal":
                 if self.previous == "tool":
                     self.end_tool_call()
-                self.content += text
+                self.take_content([(text, drafted)])
             self.previous = state
         if response.finish_reason is not None and self.previous == "tool":
             self.end_tool_call()
+
+    def take_content(self, parts: list[tuple[str, bool]]) -> None:
+        """Add text to the content, each part with where it came from (True: drafts)."""
+        for text, drafted in parts:
+            source = "draft" if drafted else "target"
+            self.content += text
+            if self.sources and self.sources[-1][1] == source:
+                self.sources[-1][0] += text
+            elif text:
+                self.sources.append([text, source])
 
     def end_tool_call(self) -> None:
         if self.tool_text:
@@ -209,15 +237,23 @@ class OpenAIResponse:
             **extra,
         }
 
+    def dflash(self, fields: tuple[str, ...] | None = None) -> dict:
+        """The `dflash` block: the reply's stats so far (`fields` of them; None: all), and
+        where the content since the last block came from (`sources`)."""
+        stats = self.stats.as_dict()
+        sources, self.sources = self.sources, []
+        return {**{k: stats[k] for k in fields or stats if k in stats}, "sources": sources}
+
     def whole(self) -> dict:
         choice = self.choice(self.finish_reason())
-        return self.body(choice, usage=self.usage(), dflash=self.stats.as_dict())
+        return self.body(choice, usage=self.usage(), dflash=self.dflash())
 
     async def events(
         self, responses: AsyncIterator[GenerationResponse], include_usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per verify cycle with something to show (a tool
-        call once whole), stats on the last, then usage if asked, then [DONE]."""
+        call once whole) with the stats so far that a live display shows, all stats on the
+        last, then usage if asked, then [DONE]."""
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
@@ -230,9 +266,9 @@ class OpenAIResponse:
                 if response.finish_reason is None and (
                     self.content or self.reasoning or self.calls
                 ):
-                    yield event(self.body(self.choice(None)))
+                    yield event(self.body(self.choice(None), dflash=self.dflash(LIVE_STATS)))
             # the last chunk, also of a reply stopped before its end
-            yield event(self.body(self.choice(self.finish_reason()), dflash=self.stats.as_dict()))
+            yield event(self.body(self.choice(self.finish_reason()), dflash=self.dflash()))
         except Exception as exc:
             yield event(error_body(500, f"generation failed: {exc}"))
         if include_usage:
