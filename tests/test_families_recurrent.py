@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import test_families as families
+import test_muse_spark
 from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3, lfm2, lfm2_moe, nemotron_h
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -178,4 +179,5 @@ def test_trees_are_refused_in_one_line(family, tokenizer, name):
 
 
 def test_every_supported_family_is_tested():
-    assert set(SUPPORTED_MODEL_TYPES) == set(families.FAMILIES) | set(RECURRENT)
+    tested = set(families.FAMILIES) | set(RECURRENT) | set(test_muse_spark.KERNEL_FAMILIES)
+    assert set(SUPPORTED_MODEL_TYPES) == tested

@@ -212,6 +212,7 @@ SUPPORTED_MODEL_TYPES = (
     "minimax",
     "minimax_m3_vl",
     "muse_glimmer",
+    "muse_spark",
     "nemotron_h",
     "qwen3",
     "qwen3_5",
@@ -227,7 +228,7 @@ EMBEDDINGS = ("embed_tokens", "embeddings")
 FINAL_NORMS = ("norm", "norm_f", "embedding_norm")
 # Backbones that RMS-normalise the embeddings (no weight) before the first layer; the drafter
 # embeds its block as that layer sees it.
-NORMALISED_EMBEDDINGS = ("muse_glimmer",)
+NORMALISED_EMBEDDINGS = ("muse_glimmer", "muse_spark")
 # Why a family's (or a cache kind's) attention cannot verify a tree: it does not take the
 # tree's positions and mask through the cache and RoPE modules `hooks.hooked` swaps, or it
 # selects keys (`sparse_attention.py`), where a tree forward's rounding picks other keys than
@@ -240,6 +241,8 @@ TREE_REFUSALS = {
     "not through the cache's mask",
     "minimax_m3_vl": "its block-sparse indexer groups keys by cache slot, and a tree's nodes "
     "do not sit in their path's slots",
+    "muse_spark": "its attention rotates queries and keys in a fused kernel at the cache's "
+    "offset, not through its rope module",
     "deepseek_v32": _SELECTING,
     "glm_moe_dsa": _SELECTING,
 }
@@ -387,9 +390,11 @@ class TargetAdapter:
             self.layer_offset, self.pipelined = backbone.start_idx, True
         self.embedding = next(backbone[name] for name in EMBEDDINGS if name in backbone)
         self.embed_scale = backbone.embed_scale if self.family in SCALED_EMBEDDINGS else None
-        self.embed_norm_eps = backbone.embed_eps if self.family in NORMALISED_EMBEDDINGS else None
-        self.head = owner.lm_head if "lm_head" in owner else self.embedding
-        self.lm_head = self.head if "lm_head" in owner else self.embedding.as_linear
+        self.embed_norm_eps = _embed_eps(backbone) if self.family in NORMALISED_EMBEDDINGS else None
+        # muse_spark's head sits beside its wrapper (model.lm_head, backbone model.model.*)
+        head_owner = next((m for m in (owner, model) if "lm_head" in m), None)
+        self.head = self.embedding if head_owner is None else head_owner.lm_head
+        self.lm_head = self.embedding.as_linear if head_owner is None else self.head
         if isinstance(self.head, SHARDED_HEADS):  # each rank holds a slice of the vocabulary
             self.lm_head = partial(_gathered_logits, self.head)
         args = getattr(owner, "args", None)
@@ -669,6 +674,11 @@ class TargetAdapter:
                 f"module of its layers each of its {len(caches)} caches is passed to. {SUPPORTED}"
             )
         return mixers
+
+
+def _embed_eps(backbone: nn.Module) -> float:
+    """The epsilon of a backbone's weightless embedding norm (muse_spark's is its RMS norms')."""
+    return getattr(backbone, "embed_eps", None) or backbone.args.rms_norm_eps
 
 
 def _mixer(layer: nn.Module) -> nn.Module | None:

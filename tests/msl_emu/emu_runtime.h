@@ -173,16 +173,24 @@ inline unsigned ceil_div(unsigned a, unsigned b) {
   return (a + b - 1) / b;
 }
 
-inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t tg) {
+// A grid that is not a multiple of the threadgroup gets smaller threadgroups at its
+// edges, as Metal's dispatchThreads makes them.
+inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t full) {
+  const uint3_t edge = grid - tg_pos * full;
+  const uint3_t tg = {std::min(full.x, edge.x), std::min(full.y, edge.y), std::min(full.z, edge.z)};
   const unsigned n = tg.x * tg.y * tg.z;
-  const uint3_t groups = {ceil_div(grid.x, tg.x), ceil_div(grid.y, tg.y), ceil_div(grid.z, tg.z)};
+  const uint3_t groups = {ceil_div(grid.x, full.x), ceil_div(grid.y, full.y), ceil_div(grid.z, full.z)};
+  g.simd.resize(ceil_div(n, kSimdWidth));
+  for (unsigned i = 0; i < g.simd.size(); ++i) {
+    g.simd[i].lanes = std::min<unsigned>(kSimdWidth, n - i * kSimdWidth);
+  }
   for (unsigned tid = 0; tid < n; ++tid) {
     Fiber& f = g.fibers[tid];
     Attrs& a = f.attrs;
     const uint3_t local = {tid % tg.x, (tid / tg.x) % tg.y, tid / (tg.x * tg.y)};
     a.dispatch_quadgroups_per_threadgroup = ceil_div(n, 4);
     a.dispatch_simdgroups_per_threadgroup = ceil_div(n, kSimdWidth);
-    a.dispatch_threads_per_threadgroup = tg;
+    a.dispatch_threads_per_threadgroup = full;
     a.grid_origin = uint3_t{0, 0, 0};
     a.grid_size = grid;
     a.quadgroup_index_in_threadgroup = tid / 4;
@@ -193,7 +201,7 @@ inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t tg) 
     a.thread_index_in_quadgroup = tid % 4;
     a.thread_index_in_simdgroup = tid % kSimdWidth;
     a.thread_index_in_threadgroup = tid;
-    a.thread_position_in_grid = tg_pos * tg + local;
+    a.thread_position_in_grid = tg_pos * full + local;
     a.thread_position_in_threadgroup = local;
     a.threadgroup_position_in_grid = tg_pos;
     a.threadgroups_per_grid = groups;
@@ -237,15 +245,11 @@ inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t tg) 
 // Runs the whole grid: threadgroups are dealt round-robin to `workers` threads.
 inline void dispatch(Entry entry, void** buffers, uint3_t grid, uint3_t tg, unsigned workers) {
   const unsigned n = tg.x * tg.y * tg.z;
-  const uint3_t groups = {grid.x / tg.x, grid.y / tg.y, grid.z / tg.z};
+  const uint3_t groups = {ceil_div(grid.x, tg.x), ceil_div(grid.y, tg.y), ceil_div(grid.z, tg.z)};
   const unsigned n_groups = groups.x * groups.y * groups.z;
   auto work = [&](unsigned worker) {
     Group g;
     g.fibers.resize(n);
-    g.simd.resize(ceil_div(n, kSimdWidth));
-    for (unsigned i = 0; i < g.simd.size(); ++i) {
-      g.simd[i].lanes = std::min<unsigned>(kSimdWidth, n - i * kSimdWidth);
-    }
     g.stacks.resize(n * kStackBytes);
     g.entry = entry;
     g.buffers = buffers;

@@ -155,7 +155,10 @@ def kernel_source(
     for dtype in output_dtypes:
         kname += "_" + TYPES[dtype][0]
 
-    src = "#include <metal_stdlib>\n" + header
+    # MLX's utils header brings in namespace metal; a `threadgroup` pointer parameter is
+    # ordinary memory here (the shim's `threadgroup` declares per-threadgroup arrays)
+    header, source = (re.sub(r"\bthreadgroup\s+(\w+\s*\*)", r"\1", s) for s in (header, source))
+    src = "#include <metal_stdlib>\nusing namespace metal;\n" + header
     if template:
         kinds = [
             "typename" if isinstance(v, mx.Dtype) else "bool" if isinstance(v, bool) else "int"
@@ -288,10 +291,8 @@ def run(
     """
     inputs = [t if isinstance(t, Tensor) else Tensor.from_mx(mx.array(t)) for t in inputs]
     if ensure_row_contiguous:
-        inputs = [Tensor(np.ascontiguousarray(t.data), t.dtype) for t in inputs]
+        inputs = [Tensor(np.require(t.data, requirements="C"), t.dtype) for t in inputs]
     tg = tuple(min(t, g) for t, g in zip(threadgroup, grid, strict=True))
-    if any(g % t for g, t in zip(grid, tg, strict=True)):
-        raise NotImplementedError("non-uniform threadgroups are not emulated")
     shapes = [(t.data.shape, t.dtype) for t in inputs]
     src, kname, shape_infos, attributes = kernel_source(
         name, input_names, output_names, source, header, shapes, output_dtypes, template

@@ -57,6 +57,8 @@ DFLASH_EMU_UNARY(sqrt, std::sqrt)
 DFLASH_EMU_UNARY(abs, std::fabs)
 DFLASH_EMU_UNARY(fabs, std::fabs)
 DFLASH_EMU_UNARY(tanh, std::tanh)
+DFLASH_EMU_UNARY(cos, std::cos)
+DFLASH_EMU_UNARY(sin, std::sin)
 #undef DFLASH_EMU_UNARY
 
 template <typename T>
@@ -85,17 +87,21 @@ inline T clamp(T x, T lo, T hi) {
 }
 
 namespace fast {
+using metal::cos;
 using metal::exp;
 using metal::exp2;
 using metal::log;
 using metal::rsqrt;
+using metal::sin;
 using metal::sqrt;
 }  // namespace fast
 namespace precise {
+using metal::cos;
 using metal::exp;
 using metal::exp2;
 using metal::log;
 using metal::rsqrt;
+using metal::sin;
 using metal::sqrt;
 }  // namespace precise
 
