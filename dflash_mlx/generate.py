@@ -47,6 +47,7 @@ def stream_generate(
     block_policy: AdaptiveBlock | AdaptiveTree | AdaptiveStrategy | None = None,
     batch: Batch | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    input_embeddings: mx.array | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
@@ -69,6 +70,11 @@ def stream_generate(
     on from the last such call). `batch` (`make_batch`) decodes the reply together with the
     batch's other replies; by default the reply is a batch of its own. Each response's
     `drafting` says how the reply's cycles ran and, where drafting was off, why.
+
+    `input_embeddings` (one row per prompt token, as mlx-lm's) are what the prefill runs in
+    place of the prompt's token embeddings: the rows a model's `embed_inputs` made of its
+    images (`images.image_prompt`). The prompt's last token runs from its id, as the first
+    cycle's root, and the reply is drafted and verified from token ids as usual.
     """
     check_argument_order(draft, tokenizer, prompt)
     if block_size is not None:
@@ -90,6 +96,8 @@ def stream_generate(
             )
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
     own_cache = prompt_cache is None
+    if input_embeddings is not None:
+        check_embeddings(input_embeddings, len(prompt_ids), own_cache)
     if own_cache:
         prompt_cache = make_prompt_cache(model, draft, **settings.cache_options)
     elif (draft is None) != (not prompt_cache.draft):
@@ -110,6 +118,7 @@ def stream_generate(
     reply = Reply(state, plan, prompt_ids, max_tokens, set(tokenizer.eos_token_ids))
     reply.prefill_step_size = settings.prefill_step_size
     reply.prompt_progress = prompt_progress_callback
+    reply.embeddings = input_embeddings
     commits = replies(batch or Batch(target, draft), reply)
     drafting = Drafting(reason=plan.plain_reason, note=plan.note)
     return stream(commits, tokenizer, len(prompt_ids), drafting)
@@ -129,6 +138,17 @@ def check_argument_order(draft: Any, tokenizer: Any, prompt: Any) -> None:
             f"no {missing} given: stream_generate(model, draft, tokenizer, prompt) "
             "(draft=None for plain decoding)"
         )
+
+
+def check_embeddings(embeddings: mx.array, prompt_tokens: int, own_cache: bool) -> None:
+    """Raise a one-line ValueError where `input_embeddings` cannot be prefilled."""
+    if embeddings.ndim != 2 or embeddings.shape[0] != prompt_tokens:
+        raise ValueError(
+            f"input_embeddings must hold one row per prompt token ({prompt_tokens}), "
+            f"got shape {tuple(embeddings.shape)}"
+        )
+    if not own_cache:  # a cache's prompt is matched by token ids, which images share
+        raise ValueError("input_embeddings (image prompts) cannot go on from a prompt cache")
 
 
 def stream(

@@ -23,7 +23,7 @@ LAYERS = (
     ("kernels", ("native",)),
     ("models", ("models",)),
     ("decoding", ("decode", "settings")),
-    ("library", ("", "generate", "options")),
+    ("library", ("", "generate", "images", "options")),
     ("server and training", ("serve", "train")),
     ("command line", ("cli", "__main__")),
 )

@@ -1,22 +1,30 @@
 """muse_spark, the family whose mlx-lm model runs fused Metal kernels (`mlx_lm/kernels`): a tiny
 random config with mlx-lm's own kernel bodies run on the CPU by the MSL emulator (tests/msl_emu),
 greedy DFlash output equal to mlx-lm's token for token, every rollback depth lossless, trees
-refused in one line."""
+refused in one line; with its vision tower, `generate --image`'s reply equal to mlx_lm.generate
+--image's."""
 
 import importlib
+import json
 import os
 
+import helpers
 import mlx.core as mx
 import msl_emu
+import numpy as np
 import pytest
 import test_families as families
 from helpers import reference_greedy
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate as mlx_lm_generate
 from mlx_lm.models import muse_spark
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.processors import load_processor
+from mlx_lm.utils import load as mlx_lm_load
 from test_families import PROMPT, NoisyOracleDraft, first_difference, run
 from test_generate import OracleDraft
 
-from dflash_mlx import stream_generate
+from dflash_mlx import cli, stream_generate
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.rollback import WindowKVCache
 from dflash_mlx.models.target import TargetAdapter
@@ -127,3 +135,99 @@ def test_trees_are_refused_in_one_line(spark, tokenizer):
     model, draft, _ = spark
     with pytest.raises(ValueError, match="'muse_spark'.*rotates queries and keys in a fused"):
         next(stream_generate(model, draft, tokenizer, PROMPT, tree_budget=4))
+
+
+VISION = dict(  # 4x4-pixel patches merged 2x2; an 8x8 position table, so an image wider than
+    hidden_size=32,  # 8 patches attends in windows in its window-attention layer
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    patch_size=4,
+    merge_size=2,
+    pos_emb_height=8,
+    pos_emb_width=8,
+)
+IMAGE_TOKENS = ["<|image_start|>", "<|patch|>", "<|image_end|>"]  # mlx-lm's processor's
+IMAGE_PROMPT = "Look: <|patch|> What is it?"
+IMAGE_REPLY_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vision_model(emulated_kernels, tmp_path_factory):
+    """(target dir, drafter dir, image file): a tiny random muse_spark with its vision tower
+    and the test tokenizer with the image tokens, float32 (as dflash-mlx loads it on a CPU),
+    a random 2-layer drafter, and a 40x80 random PNG (5x10 image tokens: resized to fit)."""
+    from PIL import Image
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("muse-spark-vision")
+    helpers.build_tokenizer(path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in IMAGE_TOKENS])
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "model_type": "muse_spark",
+        "text_config": TEXT,
+        "vision_config": VISION,
+        "image_token_id": tokenizer.token_to_id("<|patch|>"),
+        # read by transformers' MuseSparkConfig (loaded with the tokenizer), which checks them
+        "audio_config": {"out_hidden_size": TEXT["hidden_size"]},
+        "eos_token_id": 1,
+        "bos_token_id": 0,
+    }
+    config["text_config"] = dict(TEXT, eos_token_id=1, bos_token_id=0)
+    model = families.build("muse_spark", families={"muse_spark": (muse_spark, config)})
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    draft = helpers.save_draft(path.with_name("drafter"), TEXT, target_layer_ids=[0, 2])
+    pixels = np.random.default_rng(0).integers(0, 256, size=(40, 80, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path / "image.png")
+    return path, draft, path / "image.png"
+
+
+def mlx_lm_image_reply(path, prompt: str, image, max_tokens: int, rows: bool = True) -> str:
+    """mlx_lm.generate --image's reply (greedy, raw prompt), by the functions its main calls;
+    without `rows`, the image's placeholders run as tokens instead of its rows."""
+    from PIL import Image
+
+    model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+    images = [np.asarray(Image.open(image).convert("RGB"))]
+    prompt, pixel_values = load_processor(model, config)(prompt, images=images)
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    embeddings = None
+    if rows:
+        embeddings = model.embed_inputs(mx.array(ids), pixel_values=pixel_values)
+        mx.eval(embeddings)
+    reply = mlx_lm_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, input_embeddings=embeddings
+    )
+    return reply
+
+
+def test_an_image_prompt_equals_mlx_lm_generate_image(vision_model, capsys):
+    path, draft, image = vision_model
+    argv = ["generate", "--model", str(path), "--draft", str(draft), "-p", IMAGE_PROMPT]
+    argv += ["--image", str(image), "--ignore-chat-template", "--verbose", "False"]
+    cli.main([*argv, "-m", str(IMAGE_REPLY_TOKENS), "--block-size", "4"])
+    reply = capsys.readouterr().out
+    expected = mlx_lm_image_reply(path, IMAGE_PROMPT, image, IMAGE_REPLY_TOKENS)
+    assert reply == expected + "\n"
+    # the image's rows made the reply: its placeholders run as tokens give another
+    assert mlx_lm_image_reply(path, IMAGE_PROMPT, image, IMAGE_REPLY_TOKENS, rows=False) != expected
+
+
+def test_an_image_for_a_model_without_images_or_placeholder_is_refused_in_one_line(
+    vision_model, make_pair, capsys
+):
+    path, draft, image = vision_model
+    text_target, text_draft = make_pair("llama-tied-gqa")
+    cases = [
+        (text_target, text_draft, IMAGE_PROMPT, "target model type 'llama' does not take images"),
+        (path, draft, "no placeholder", "The text has 0 <|patch|> for 1 images. Put one"),
+    ]
+    for target, drafter, prompt, message in cases:
+        argv = ["generate", "--model", str(target), "--draft", str(drafter), "-p", prompt]
+        with pytest.raises(SystemExit):
+            cli.main([*argv, "--image", str(image), "--verbose", "False"])
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -41,6 +41,8 @@ FIRST_RELEASE = {
     ("mlx_lm.models.deepseek_v32", "DeepseekV32Attention"): "0.32.1",
     ("mlx_lm.models.deepseek_v32", "Indexer"): "0.32.1",
     ("mlx_lm.tuner.utils", "load_adapters"): "0.32.1",
+    ("mlx_lm.processors", "PROCESSORS"): "0.32.1",
+    ("mlx_lm.processors", "load_processor"): "0.32.1",
     ("mlx_lm.models.base", "scaled_dot_product_attention"): "0.22.0",
     ("mlx_lm.models.cache", "ArraysCache"): "0.26.1",
     ("mlx_lm.models.cache", "BatchKVCache"): "0.28.0",

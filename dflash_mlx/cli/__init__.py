@@ -126,8 +126,8 @@ COMMANDS = {
 # mlx-lm's flags (of mlx_lm.generate, chat, server, cache_prompt) that no command here takes,
 # each with why: an mlx-lm user who passes one learns that, not just "unrecognized".
 REFUSED = {
-    "--image": "image prompts are not supported: dflash-mlx prefills text prompts only, and "
-    "its drafters draft from text",
+    "--image": "only dflash-mlx generate takes image prompts (for the models mlx-lm takes "
+    "images for)",
     "--use-default-chat-template": "transformers has no default chat templates any more; "
     "give one with serve's --chat-template",
     "--quantize-activations": "activation quantization is not supported: the target runs "

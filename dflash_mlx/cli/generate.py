@@ -19,7 +19,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..chat_format import chat_prompt, continued_prompt, has_chat_template
 from ..decode.stops import stop_at_strings
 from ..generate import stream_generate
+from ..images import image_prompt
 from ..models.distributed import Lockstep, broadcast_text, is_rank0, world_group
+from ..models.loading import read_config, resolve_path
+from ..models.target import TARGET_PATTERNS
 from ..options import (
     PrefillProgress,
     add_cache_file_argument,
@@ -53,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-response",
         help="the start of the reply: the model goes on from it (with the chat template; "
         "as mlx_lm.generate's)",
+    )
+    parser.add_argument(
+        "--image",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="image files for the image placeholders of the prompt, in order (as "
+        "mlx_lm.generate's; for the models mlx-lm takes images for)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object: text + stats")
     parser.add_argument(
@@ -99,6 +110,12 @@ def run(args: argparse.Namespace) -> None:
         prompt = chat_text(tokenizer, args, prompt)
     elif args.system:  # as mlx_lm.generate, which uses it only in the template, but said
         say(args, "note: --system-prompt is not used without the chat template")
+    embeddings = None
+    if args.image:
+        if cache is not None:
+            raise ValueError("--image cannot go on from a cached prompt (--prompt-cache-file)")
+        config = read_config(resolve_path(args.model, "target model", TARGET_PATTERNS))
+        prompt, embeddings = image_prompt(model, tokenizer, config, prompt, args.image)
     stats = ReplyStats()
     settings = generation_settings(args, tokenizer)
     rank0 = is_rank0(group)
@@ -111,6 +128,7 @@ def run(args: argparse.Namespace) -> None:
         settings=settings,
         prompt_cache=cache,
         prompt_progress_callback=progress,
+        input_embeddings=embeddings,
     )
     lockstep = Lockstep(group, args.rank_timeout, "dflash-mlx generate")
     show = rank0 and not args.json

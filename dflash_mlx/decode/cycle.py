@@ -96,6 +96,8 @@ class Reply:
     prefilled: int = 0  # prompt positions its prefill and first cycle run
     # mlx-lm's prompt_progress_callback(processed, total), called as the prompt is prefilled
     prompt_progress: Callable[[int, int], None] | None = None
+    # the prompt's input rows (mlx-lm's input_embeddings: image rows), run by the prefill
+    embeddings: mx.array | None = None
     commits: deque[Commit] = field(default_factory=deque)
     generated: int = 0
     pending: Pending | None = None  # the cycle launched for it alone, if any

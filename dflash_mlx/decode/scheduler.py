@@ -48,10 +48,15 @@ def prefill(reply: Reply, start: int) -> None:
     progress = reply.prompt_progress or (lambda processed, total: None)
     reply.prefilled = len(prompt) - start
     progress(0, reply.prefilled)
-    taps = state.proposer.layer_ids
+    taps, rows = state.proposer.layer_ids, reply.embeddings
     for chunk_start in range(start, len(prompt) - 1, step):
-        chunk = prompt[chunk_start : min(chunk_start + step, len(prompt) - 1)]
-        forward = state.target.forward(mx.array(chunk)[None], [state.cache], taps=taps, prompt=True)
+        end = min(chunk_start + step, len(prompt) - 1)
+        chunk, embeddings = prompt[chunk_start:end], None
+        if rows is not None:
+            embeddings = rows[chunk_start:end][None]
+        forward = state.target.forward(
+            mx.array(chunk)[None], [state.cache], taps=taps, prompt=True, embeddings=embeddings
+        )
         if taps:
             proposers.observe([state.proposer], forward.features, [len(chunk)])
         mx.eval([c.state for c in every_cache])

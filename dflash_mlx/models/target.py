@@ -408,6 +408,7 @@ class TargetAdapter:
         trees: list[TreeShape | None] | None = None,
         taps: list[int] | None = None,
         prompt: bool = False,
+        embeddings: mx.array | None = None,
     ) -> Forward:
         """The target's logits at `tokens` (R, N), row i appended to `caches[i]` and attending
         to that cache alone, and the features of the tapped layers `taps` at every position.
@@ -422,6 +423,9 @@ class TargetAdapter:
         A `prompt` chunk (R = 1) is computed as mlx-lm computes one (its kernels, its masks);
         so are rows without caches (`caches` None: independent sequences from position 0).
         The modules of `checkpointed` checkpoint their caches for `rollback` on every forward.
+        `embeddings` (1, N, hidden) are a prompt chunk's input rows in place of its tokens'
+        embeddings (mlx-lm's `input_embeddings`: the rows a model's `embed_inputs` made of
+        its images).
         """
         n_rows, n = tokens.shape
         trees = trees if trees is not None and any(trees) else None
@@ -439,8 +443,9 @@ class TargetAdapter:
         tree_rows, positions = [], None
         if trees is not None:
             tree_rows, positions = self._tree_rows(caches, trees, n)
+        inputs = {} if embeddings is None else {"input_embeddings": embeddings}
         if not (swaps or recorded or checkpointed or tree_rows):
-            return Forward(self.model(tokens, cache=cache), None)
+            return Forward(self.model(tokens, cache=cache, **inputs), None)
         # graph building only: the classes are back before anything runs
         with ExitStack() as building:
             if cache is not None and not prompt and attention is None:
@@ -452,7 +457,7 @@ class TargetAdapter:
                     recorded, checkpointed, tree_rows, self.ropes, positions, self.model_type
                 )
             )
-            logits = self.model(tokens, cache=cache)
+            logits = self.model(tokens, cache=cache, **inputs)
         return Forward(logits, hooks.features(forward.outputs, taps) if taps else None)
 
     def _recorded(self, taps: list[int]) -> list[tuple[Any, nn.Module]]:
