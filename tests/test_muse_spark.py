@@ -24,10 +24,14 @@ from mlx_lm.utils import load as mlx_lm_load
 from test_families import PROMPT, NoisyOracleDraft, first_difference, run
 from test_generate import OracleDraft
 
+import dflash_mlx
 from dflash_mlx import cli, stream_generate
+from dflash_mlx.models import target as target_module
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.rollback import WindowKVCache
 from dflash_mlx.models.target import TargetAdapter
+
+RUNS_METAL_KERNELS = target_module.runs_metal_kernels  # before the fixture stands in for it
 
 NO_COMPILER = "no clang with _Float16/__bf16 (apt-get install clang-19 libclang-rt-19-dev)"
 # Skipped on a developer's machine without clang; under CI=true they run, and fail.
@@ -75,6 +79,7 @@ def emulated_kernels():
     modules = [importlib.import_module(f"mlx_lm.kernels.{name}") for name in KERNELS]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mx.fast, "metal_kernel", msl_emu.metal_kernel)
+        patch.setattr(target_module, "runs_metal_kernels", lambda model: False)  # emulated
         for module in modules:
             importlib.reload(module)
         yield
@@ -231,3 +236,13 @@ def test_an_image_for_a_model_without_images_or_placeholder_is_refused_in_one_li
             cli.main([*argv, "--image", str(image), "--verbose", "False"])
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="Metal runs mlx-lm's kernels here")
+def test_without_metal_a_target_of_mlx_lm_kernels_is_refused_in_one_line(vision_model, loaded):
+    path, _, _ = vision_model
+    with pytest.MonkeyPatch.context() as patch:  # the real check, not the fixture's stand-in
+        patch.setattr(target_module, "runs_metal_kernels", RUNS_METAL_KERNELS)
+        with pytest.raises(ValueError, match="^target model type 'muse_spark' runs mlx-lm's fused"):
+            dflash_mlx.load(path)
+    assert not RUNS_METAL_KERNELS(loaded("llama-tied-gqa")[0])

@@ -12,6 +12,7 @@ share this one mechanism and differ only in data (`SCALED_EMBEDDINGS`,
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -135,6 +136,12 @@ def load(
         raise ValueError(
             f"mlx-lm could not load the target at {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    if not mx.metal.is_available() and runs_metal_kernels(model):
+        raise ValueError(
+            f"target model type '{getattr(model, 'model_type', '?')}' runs mlx-lm's fused Metal "
+            "kernels (mlx_lm.kernels), which have no CPU or CUDA version: it needs Apple silicon, "
+            "as in mlx-lm"
+        )
     if adapter_path is not None:
         apply_adapters(model, Path(adapter_path).expanduser())
     cast_model(model, default_cast(model, cast_to) if dtype is None else cast_to)
@@ -144,6 +151,14 @@ def load(
     if sharded:  # every rank has its slice before any of them starts a forward
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return model, tokenizer
+
+
+def runs_metal_kernels(model: nn.Module) -> bool:
+    """Whether mlx-lm's module of `model` calls `mlx_lm.kernels` (muse_spark), Metal-only:
+    elsewhere its first forward would fail with MLX's "No Metal back-end"."""
+    module = sys.modules.get(type(model).__module__)
+    names = vars(module).values() if module is not None else ()
+    return any(getattr(v, "__module__", "").startswith("mlx_lm.kernels") for v in names)
 
 
 def apply_adapters(model: nn.Module, adapter_path: Path) -> None:
