@@ -131,8 +131,8 @@ class Message(Strict):
         parts = content if isinstance(content, list) else []
         if any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in parts):
             raise ValueError(
-                "image parts are not supported: this server prefills text prompts only, and "
-                "its drafters draft from text"
+                "image parts are not supported: this server prefills text prompts only "
+                "(dflash-mlx generate --image takes images, for the models mlx-lm takes them for)"
             )
         return content
 
