@@ -85,6 +85,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
     )
     add_draft_window_argument(parser)
     parser.add_argument(
+        "--mtp-bits",
+        type=int,
+        choices=[2, 3, 4, 5, 6, 8],
+        help="with --draft mtp: quantize the MTP layers to this many bits (default: as the "
+        "checkpoint stores them; quantized MTP layers may be accepted much less)",
+    )
+    parser.add_argument(
         "--max-tokens", "-m", type=int, default=max_tokens, help="most tokens to generate"
     )
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -172,7 +179,7 @@ def add_draft_argument(parser: argparse.ArgumentParser) -> None:
         "--draft",
         dest="draft",
         metavar="DRAFT_MODEL",
-        help="DFlash drafter: directory or hub id",
+        help="DFlash drafter: directory or hub id; 'mtp': the target's own MTP layers",
     )
 
 
@@ -349,7 +356,13 @@ def load_models(
     draft = (
         None
         if args.no_draft
-        else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
+        else load_draft(
+            args.draft,
+            kernels=args.kernels,
+            context_window=args.draft_window,
+            target=args.model,
+            mtp_bits=args.mtp_bits,
+        )
     )
     if draft is not None:  # a drafter made for another model fails now, not at a request
         check_compatible(TargetAdapter(model), draft)

@@ -23,6 +23,7 @@ from ..staging import remove_stale, staging_path
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
 from .loading import cast_model, default_dtype, read_config, resolve_path
+from .mtp import MTPDraft, load_mtp
 from .target import TargetAdapter
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -57,6 +58,8 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+MTP = "mtp"  # as a drafter's name: the target's own MTP layers
+
 # Fields of which a DFlash drafter's config.json has at least one and a model's has none.
 DRAFTER_FIELDS = ("dflash_config", "target_layer_ids", "num_target_layers", "mask_token_id")
 
@@ -90,9 +93,13 @@ def load_draft(
     kernels: str = "auto",
     context_window: int | None = None,
     full_vocab: bool = False,
-) -> DFlashDraft:
+    target: str | Path | None = None,
+    mtp_bits: int | None = None,
+) -> DFlashDraft | MTPDraft:
     """Load a DFlash drafter from a local directory or a hub id, in either layout, or a
-    DSpark drafter in any of its packagings (`dspark.py`).
+    DSpark drafter in any of its packagings (`dspark.py`); `"mtp"` loads the MTP layers of
+    the checkpoint `target` (a directory or hub id) instead (`mtp.py`), quantized to
+    `mtp_bits` if given.
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
@@ -101,6 +108,12 @@ def load_draft(
     it was trained on, past which its drafts get worse and dearer), 0 the whole context.
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
+    if str(path_or_repo) == MTP:
+        if target is None:
+            raise ValueError("the 'mtp' drafter is the target's own MTP layers: give its target")
+        return load_mtp(target, dtype, mtp_bits)
+    if mtp_bits is not None:
+        raise ValueError("mtp_bits (--mtp-bits) quantizes the 'mtp' drafter only")
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     raw = read_config(path)
     config = draft_config(raw, path_or_repo)

@@ -1,0 +1,463 @@
+"""The multi-token-prediction (MTP) layers a checkpoint ships beside its target, as a drafter.
+
+Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors: DeepSeek-V3's recipe of
+one more decoder layer of the target's own kind. At position p it reads the target's final
+hidden state h_p (after the target's last norm) and the embedding of the token after it,
+x_{p+1}, each RMS-normed, concatenated and projected (`fc`), through the layer (full
+attention over its own KV cache of every position) and a norm; the target's LM head on the
+result predicts x_{p+2}. A chain runs it k times: each step reads the last step's output as
+its hidden state and the token that step drafted.
+
+`MTPDraft` drafts through the same proposer interface as the DFlash drafter (`propose`,
+`append_context`, `make_cache`), so the cycle, the samplers and shared cycles take it as they
+are. It taps the target's last layer and applies the target's final norm itself (a copy of
+that norm's weight, read with the MTP tensors). The features of the positions each cycle kept
+wait in the reply's `MTPCache` until the next chain, whose root is the token after the last
+of them; the tokens after the others are the reply's committed tokens (`MTPRow`). Each chain
+first runs the MTP layer over the waiting positions, then k - 1 steps of its own, whose
+entries leave the cache again: committed positions are always entries of the target's
+hidden states, never of the layer's own guesses.
+
+mlx-lm's `sanitize` drops the `mtp.*` tensors when it loads the target, so `load_mtp` reads
+them from the target's own safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from . import backends
+from .loading import cast_model, default_dtype, read_config, resolve_path
+from .rows import attention as rows_attention
+from .rows import row_caches
+
+# model_type -> (mlx-lm module, its decoder layer class, its args class, whether the text
+# config is nested under `text_config`): the families whose checkpoints publish `mtp.*` layers
+LAYOUTS = {
+    "qwen3_5": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
+    "qwen3_5_moe": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer", "ModelArgs"),
+}
+PREFIX = "mtp."
+# The MTP norms a Hugging Face checkpoint stores zero-centred (the weight is 1 + w), as
+# mlx-lm's sanitize adds 1 to the target's own.
+CENTRED_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
+# Where a checkpoint keeps the target's final norm (names without a leading "model.").
+FINAL_NORM_NAMES = ("norm.weight", "language_model.norm.weight", "language_model.model.norm.weight")
+DEFAULT_BLOCK_SIZE = 4  # the root and 3 drafts; the adaptive policy verifies fewer where they pay
+
+
+@dataclass
+class MTPConfig:
+    """What the proposer interface reads of a drafter's config, for the target's MTP layers:
+    they tap the target's last layer, draft over its whole vocabulary, and use no mask token."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_target_layers: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    block_size: int = DEFAULT_BLOCK_SIZE
+    quantization: dict | None = None
+    mask_token_id: int = 0
+    draft_vocab: list[int] | None = None
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return [self.num_target_layers - 1]
+
+
+class MTPCache:
+    """One reply's MTP state: the MTP layers' KV caches and the target's features of the
+    positions after them (`waiting`), run through the layer at the next chain, once the token
+    after each is known. The last position run stays waiting too, so that a trim back to any
+    waiting position keeps the feature it needs. Its `offset` is the target's: every position
+    either has an entry or waits."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [KVCache() for _ in range(num_layers)]
+        self.features: mx.array | None = None  # (1, waiting, hidden)
+
+    @property
+    def waiting(self) -> int:
+        return 0 if self.features is None else self.features.shape[1]
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset + self.waiting
+
+    def append(self, features: mx.array) -> None:
+        """Features (1, n, hidden) of the next n positions."""
+        wait = self.features
+        self.features = features if wait is None else mx.concatenate([wait, features], axis=1)
+
+    def can_trim(self, n: int) -> bool:
+        """Whether the last n positions can go (an entry holds the token after its position,
+        so only waiting positions can, and the last waiting one is needed for the next entry),
+        or every position (a fresh start)."""
+        return n < self.waiting or n >= self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n >= self.offset:
+            n = self.offset
+            self.layers = [KVCache() for _ in self.layers]
+            self.features = None
+            return n
+        if not self.can_trim(n):
+            raise ValueError(
+                f"the MTP cache keeps the last {self.waiting - 1} positions, not {n}: its "
+                "entries hold the token after each position"
+            )
+        if n:
+            self.features = self.features[:, : self.waiting - n]
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        """What evaluating the cache evaluates."""
+        arrays = [a for c in self.layers if c.keys is not None for a in c.state]
+        return arrays + ([] if self.features is None else [self.features])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers) + (
+            0 if self.features is None else self.features.nbytes
+        )
+
+
+class PromptCacheLike(Protocol):
+    """What `MTPRow` reads of a prompt cache: the drafter caches and the tokens they hold."""
+
+    draft: list
+    tokens: list[int]
+
+
+class MTPRow:
+    """A reply as the MTP drafter sees it: its `MTPCache` and the tokens its target caches
+    hold (the token after each waiting position), read from its prompt cache when drafting."""
+
+    def __init__(self, prompt_cache: PromptCacheLike):
+        self.prompt_cache = prompt_cache
+
+    @property
+    def cache(self) -> MTPCache:
+        return self.prompt_cache.draft[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_cache.tokens
+
+
+class MTPDraft(nn.Module):
+    """The target's MTP layers (`mtp.*`) and a copy of its final norm (`target_norm`)."""
+
+    def __init__(self, config: MTPConfig, args: Any):
+        super().__init__()
+        self.config = config
+        module_name, layer_class, _ = LAYOUTS[config.model_type]
+        layer = getattr(importlib.import_module(f"mlx_lm.models.{module_name}"), layer_class)
+        # the MTP layer attends over every position and is an MoE layer where the target's are
+        full = {"full_attention_interval": 1}
+        if any(f.name == "mlp_only_layers" for f in fields(args)):
+            full["mlp_only_layers"] = []
+        args = replace(args, **full)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.target_norm = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [layer(args, 0) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def make_cache(self) -> list[MTPCache]:
+        return [MTPCache(len(self.layers))]
+
+    def append_context(
+        self, features: mx.array, rows: list[MTPRow], counts: list[int] | None = None
+    ) -> None:
+        """The target's last-layer features (rows, n, hidden) of the positions each row kept:
+        row i's first `counts[i]` (all if None) wait for the next chain."""
+        counts = counts or [features.shape[1]] * len(rows)
+        for i, (row, n) in enumerate(zip(rows, counts)):
+            row.cache.append(features[i : i + 1, :n])
+
+    def step(self, tokens: mx.array, hidden: mx.array, embed, caches: list[list[KVCache]]):
+        """The MTP layers' output (rows, n, hidden) at `tokens` (rows, n) after the hidden
+        states `hidden` (rows, n, hidden), row i appended to its caches `caches[i]`."""
+        h = mx.concatenate(
+            [self.pre_fc_norm_embedding(embed(tokens)), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        h = self.fc(h)
+        n = tokens.shape[1]
+        if len(caches) == 1:
+            mask = "causal" if n > 1 else None
+            for layer, cache in zip(self.layers, caches[0]):
+                h = layer(h, mask, cache)
+            return self.norm(h)
+        with backends.building(self._row_swaps(n)):
+            for layer, cache in zip(self.layers, row_caches(caches)):
+                h = layer(h, cache.make_mask(n), cache)
+        return self.norm(h)
+
+    def _row_swaps(self, positions: int) -> list:
+        """The swaps of a forward of several rows, each over its own caches (`rows.py`),
+        found once per backend and kind (the lists live outside the parameter tree)."""
+        found = self.__dict__.setdefault("_row_swaps", {})
+        key = (backends.current(), positions > 1)
+        if key not in found:
+            found[key] = backends.verify_swaps(self.layers, key[0], positions, rows_attention)
+        return found[key]
+
+    def catch_up(self, roots: mx.array, embed, rows: list[MTPRow]) -> mx.array:
+        """Run every row's waiting positions through the MTP layers (the token after the last
+        is its root, `roots` (rows, 1)), in one forward padded to the longest; keep the last
+        position waiting. Returns each row's output at its last position (rows, 1, hidden)."""
+        counts = [row.cache.waiting for row in rows]
+        if min(counts) < 1:
+            raise ValueError("the MTP drafter has no target features before the root")
+        longest = max(counts)
+        tokens, features = [], []
+        for row, n, root in zip(rows, counts, roots):
+            cache = row.cache
+            start = cache.layers[0].offset
+            after = mx.array(row.tokens[start + 1 : start + n], dtype=roots.dtype)
+            pad = longest - n
+            tokens.append(mx.concatenate([after, root, mx.zeros((pad,), dtype=roots.dtype)]))
+            features.append(mx.pad(cache.features, [(0, 0), (0, pad), (0, 0)]))
+        out = self.step(
+            mx.stack(tokens),
+            mx.concatenate(features),
+            embed,
+            [row.cache.layers for row in rows],
+        )
+        last = []
+        for i, (row, n) in enumerate(zip(rows, counts)):
+            cache = row.cache
+            for layer_cache in cache.layers:  # the padding, and the last position: it waits
+                layer_cache.trim(longest - n + 1)
+            cache.features = cache.features[:, -1:]
+            last.append(out[i : i + 1, n - 1 : n])
+        return mx.concatenate(last)
+
+    def propose(
+        self,
+        blocks: mx.array,
+        embed,
+        lm_head,
+        caches: list[MTPRow],
+        chooses: list,
+        contexts: list[list[int] | None],
+        lengths: list[int],
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """Each row's chain of `lengths[i]` drafts after its root (`blocks[i, 0]`; the rest
+        of a block is unread) and their log-probabilities: the MTP layers run over the
+        waiting positions, then once per further draft on their own output, every row in
+        one forward per step; row i's drafts chosen by `chooses[i]` (a `Verifier.propose`)
+        after `contexts[i]` and the drafts before. The steps' entries leave the caches."""
+        hidden = self.catch_up(blocks[:, :1], embed, caches)
+        drafted: list[list[mx.array]] = [[] for _ in caches]
+        logqs: list[list[mx.array]] = [[] for _ in caches]
+        contexts = [None if c is None else list(c) for c in contexts]
+        steps = max(lengths)
+        for step in range(steps):
+            if step:
+                tokens = mx.stack([d[-1] for d in drafted])
+                hidden = self.step(tokens, hidden, embed, [row.cache.layers for row in caches])
+            logits = lm_head(hidden)
+            for i, choose in enumerate(chooses):
+                if step >= lengths[i]:
+                    continue
+                token, logq = choose(logits[i, :1], contexts[i])
+                drafted[i].append(token)
+                if logq is not None:
+                    logqs[i].append(logq)
+                if contexts[i] is not None:
+                    contexts[i].append(token.item())
+        for row in caches:
+            for layer_cache in row.cache.layers:
+                layer_cache.trim(steps - 1)
+        return [
+            (mx.concatenate(d), mx.concatenate(q) if q else None) for d, q in zip(drafted, logqs)
+        ]
+
+    def trees(self, *args: Any) -> list:
+        """Trees need a target that verifies them; none of the MTP families' targets does
+        (recurrent or compressed caches), so the plan never asks."""
+        raise ValueError("the MTP drafter drafts chains only")
+
+
+def mtp_layout(config: dict) -> tuple[str, dict]:
+    """The checkpoint's model_type and text config, or a one-line ValueError naming why its
+    family has no MTP layers here."""
+    model_type = config.get("model_type", "")
+    if model_type not in LAYOUTS:
+        raise ValueError(
+            f"target model type '{model_type}' has no MTP layers dflash-mlx can run "
+            f"(MTP families: {', '.join(LAYOUTS)})"
+        )
+    return model_type, config.get("text_config") or config
+
+
+def read_mtp_tensors(path: Path) -> tuple[dict[str, mx.array], mx.array | None, bool]:
+    """The checkpoint's `mtp.*` tensors (named without the prefix), its final norm's weight,
+    and whether it is in the Hugging Face layout (its norms stored zero-centred), told as
+    mlx-lm's sanitize tells it: by its convolution weights' shape. Reads lazily: only these
+    tensors are loaded."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    tensors: dict[str, mx.array] = {}
+    final_norm, hugging_face = None, False
+    for file in files:
+        try:
+            weights = mx.load(str(file))
+        except Exception as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+        for name, w in weights.items():
+            key = name.removeprefix("model.")
+            if key.startswith(PREFIX):
+                tensors[key.removeprefix(PREFIX)] = w
+            elif key in FINAL_NORM_NAMES:
+                final_norm = w
+            elif "conv1d.weight" in key and w.shape[-1] != 1:
+                hugging_face = True
+    return tensors, final_norm, hugging_face
+
+
+def sanitize(tensors: dict[str, mx.array], hugging_face: bool, num_experts: int) -> dict:
+    """The MTP tensors as mlx-lm's layer names them: experts stacked (Qwen3-Next's one tensor
+    per expert, Qwen3.5's fused gate and up projections split) and, from a Hugging Face
+    checkpoint, the zero-centred norms made whole."""
+    out = dict(tensors)
+    for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:
+        prefix = key.removesuffix(".experts.gate_up_proj")
+        gate_up = out.pop(key)
+        half = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :half, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., half:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    for key in [k for k in out if k.endswith(".experts.0.up_proj.weight")]:
+        prefix = key.removesuffix(".experts.0.up_proj.weight")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            experts = [out.pop(f"{prefix}.experts.{e}.{proj}.weight") for e in range(num_experts)]
+            out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack(experts)
+    if hugging_face:
+        for key, w in out.items():
+            if key.endswith(CENTRED_NORMS) or key == "norm.weight":
+                out[key] = w + 1.0
+    return out
+
+
+def mtp_args(model_type: str, text_config: dict) -> Any:
+    """mlx-lm's args of the target's layers, from its (text) config."""
+    module_name, _, args_class = LAYOUTS[model_type]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    return getattr(module, args_class).from_dict({"model_type": model_type, **text_config})
+
+
+def describe_mtp(path_or_repo: str | Path) -> str:
+    """Whether the target checkpoint carries MTP layers dflash-mlx can draft with, in words."""
+    path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
+    try:
+        model_type, text = mtp_layout(read_config(path))
+    except ValueError as exc:
+        return f"no: {exc}"
+    tensors, _, _ = read_mtp_tensors(path)
+    if not tensors:
+        return f"no: no mtp.* tensors in this {model_type} checkpoint (mlx-lm's convert drops them)"
+    layers = int(text.get("mtp_num_hidden_layers", 1))
+    stored = "quantized" if any(k.endswith(".scales") for k in tensors) else "unquantized"
+    return f"yes: {layers} MTP layer(s), {stored} ({model_type}; --draft mtp)"
+
+
+def load_mtp(
+    path_or_repo: str | Path,
+    dtype: mx.Dtype | None = None,
+    bits: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> MTPDraft:
+    """The MTP layers of the target checkpoint at `path_or_repo`, as a drafter.
+
+    `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU (MTP layers
+    stored quantized stay so there); `bits` quantizes them (group size 64) after that, for
+    targets whose MTP layers are worth the loss (quantized MTP layers may be accepted less).
+    Refused in one line for a family without MTP layers or a checkpoint that lacks them.
+    """
+    path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
+    config = read_config(path)
+    model_type, text = mtp_layout(config)
+    tensors, final_norm, hugging_face = read_mtp_tensors(path)
+    if not tensors:
+        raise ValueError(
+            f"the checkpoint at {path} has no mtp.* tensors: mlx-lm's conversion drops them; "
+            "use the original checkpoint (or one converted with them)"
+        )
+    if final_norm is None:
+        raise ValueError(f"the checkpoint at {path} has no final norm weight (model.norm.weight)")
+    args = mtp_args(model_type, text)
+    num_layers = int(text.get("mtp_num_hidden_layers", 1))
+    mtp = MTPConfig(
+        model_type=model_type,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        num_target_layers=args.num_hidden_layers,
+        num_hidden_layers=num_layers,
+        rms_norm_eps=args.rms_norm_eps,
+        block_size=block_size,
+        quantization=config.get("quantization") if any(".scales" in k for k in tensors) else None,
+    )
+    model = MTPDraft(mtp, args)
+    weights = sanitize(tensors, hugging_face, getattr(args, "num_experts", 0))
+    weights["target_norm.weight"] = final_norm + 1.0 if hugging_face else final_norm
+    if mtp.quantization:
+        q = mtp.quantization
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda name, m: f"{name}.scales" in weights,
+        )
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"the mtp.* tensors in {path} do not match its config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.load_weights(list(weights.items()))
+    cast_model(model, dtype if dtype is not None else default_dtype())
+    if bits is not None:
+        nn.quantize(model, group_size=64, bits=bits, class_predicate=_quantizable)
+        mtp.quantization = {"group_size": 64, "bits": bits}
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _quantizable(name: str, module: nn.Module) -> bool:
+    """What `--mtp-bits` quantizes: the MTP layers' linear layers (not the MoE routers, which
+    mlx-lm keeps at 8 bits, nor the norms)."""
+    return (
+        hasattr(module, "to_quantized")
+        and not name.endswith(("mlp.gate", "shared_expert_gate"))
+        and module.weight.shape[-1] % 64 == 0
+    )
