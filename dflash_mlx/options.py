@@ -24,7 +24,7 @@ from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
 from .decode.proposers import check_compatible
 from .decode.sampling import RULES
 from .decode.settings import PREFILL_STEP, GenerationSettings
-from .models.checkpoint import load_draft
+from .models.checkpoint import MTP, load_draft
 from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
@@ -338,6 +338,8 @@ def load_models(
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
     groups = {"pipeline_group" if args.pipeline else "tensor_group": group}
     drafter = "" if args.no_draft else f" and the drafter {args.draft}"
+    if args.draft == MTP and not args.no_draft:
+        drafter = " and its MTP layers"
     say(args, f"loading {args.model}{drafter}...")
     template = {"chat_template": args.chat_template_source} if args.chat_template_source else {}
     model, tokenizer = load(

@@ -4,17 +4,24 @@ target's own safetensors; greedy replies equal to mlx-lm's at several block size
 equal to the MTP layer run from scratch over the whole sequence; shared cycles with per-row
 acceptance, each reply equal to its solo reply; refusals in one line."""
 
+import copy
 import json
+import re
+import shutil
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe, qwen3_next
+from test_cli import decode_greedy, dflash_in_process
 from test_families import FAMILIES, PROMPT, build, first_difference
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.models.mtp import MTPDraft, mtp_args
+from dflash_mlx.chat_format import chat_prompt
+from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
+from dflash_mlx.models.target import TargetAdapter
 
 TOKENS = 120
 MTP_FAMILIES = {
@@ -140,3 +147,162 @@ def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
     )
     assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
     assert sum(r.proposed for r in responses) >= (TOKENS - 1) // block_size
+
+
+def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[int]:
+    """The greedy chain after `sequence` (its last token the root), the MTP layer run over the
+    whole sequence without a cache at every step: the target's final hidden states from
+    mlx-lm's own backbone (after its norm), each with the embedding of the token after it."""
+    target = TargetAdapter(model)
+    hidden = target.backbone(mx.array(sequence[:-1])[None])
+    tokens = mx.array(sequence[1:])[None]
+    chain = []
+    for _ in range(length):
+        h = mx.concatenate(
+            [
+                draft.pre_fc_norm_embedding(target.embed_tokens(tokens)),
+                draft.pre_fc_norm_hidden(hidden),
+            ],
+            axis=-1,
+        )
+        h = draft.fc(h)
+        for layer in draft.layers:
+            h = layer(h, "causal" if h.shape[1] > 1 else None, None)
+        out = draft.norm(h)
+        chain.append(mx.argmax(target.lm_head(out[:, -1]), axis=-1).item())
+        hidden = mx.concatenate([hidden, out[:, -1:]], axis=1)
+        tokens = mx.concatenate([tokens, mx.array([[chain[-1]]])], axis=1)
+    return chain
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, monkeypatch):
+    """The cache bookkeeping (waiting features, entries of the target's hidden states only,
+    the steps' entries trimmed) drafts what the layer drafts over the whole sequence."""
+    _, model, tokenizer, draft, expected = checkpoints(name)
+    calls = []
+    propose = MTPDraft.propose
+
+    def recorded(self, blocks, embed, lm_head, rows, chooses, contexts, lengths):
+        before = [row.tokens + [blocks[0, 0].item()] for row in rows]
+        out = propose(self, blocks, embed, lm_head, rows, chooses, contexts, lengths)
+        calls.append((before[0], out[0][0].tolist()))
+        return out
+
+    monkeypatch.setattr(MTPDraft, "propose", recorded)
+    tokens, _ = generated(model, draft, tokenizer, PROMPT, block_size=4, max_tokens=40)
+    assert tokens == expected[:40]
+    assert len(calls) > 10
+    for sequence, chain in calls:
+        assert chain == chain_from_scratch(model, draft, sequence, len(chain)), len(sequence)
+
+
+def greedy_choose(logits, context=None):
+    """Greedy drafts with the log q sampling would verify."""
+    return mx.argmax(logits, axis=-1), logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_rows_drafted_together_equal_each_drafted_alone(checkpoints):
+    """Replies that share a cycle draft in one MTP forward per step, each row over its own
+    caches and waiting positions (padded to the longest): their chains and log q are each
+    reply's own."""
+    _, model, _, draft, expected = checkpoints("qwen3_5")
+    target = TargetAdapter(model)
+    sequence = PROMPT + expected
+
+    def features(tokens):
+        taps = draft.config.target_layer_ids
+        return target.forward(mx.array(tokens)[None], None, taps=taps).features
+
+    def row(length, consumed):
+        """A reply holding `length` positions, the first `consumed` run through the layer."""
+        state = SimpleNamespace(draft=draft.make_cache(), tokens=sequence[:consumed])
+        rows = [MTPRow(state)]
+        draft.append_context(features(sequence[:consumed]), rows)
+        draft.propose(
+            mx.array([[sequence[consumed]]]),
+            target.embed_tokens,
+            target.lm_head,
+            rows,
+            [greedy_choose],
+            [None],
+            [2],
+        )
+        state.tokens = sequence[:length]
+        draft.append_context(features(sequence[:length])[:, consumed:], rows)
+        return state
+
+    states = [row(30, 22), row(26, 25), row(41, 33)]
+    roots = mx.array([[sequence[len(s.tokens)]] for s in states])
+    lengths = [3, 5, 1]
+    alone = [
+        draft.propose(
+            roots[i : i + 1],
+            target.embed_tokens,
+            target.lm_head,
+            [MTPRow(copy.deepcopy(s))],
+            [greedy_choose],
+            [None],
+            [n],
+        )[0]
+        for i, (s, n) in enumerate(zip(states, lengths))
+    ]
+    together = draft.propose(
+        roots,
+        target.embed_tokens,
+        target.lm_head,
+        [MTPRow(s) for s in states],
+        [greedy_choose] * 3,
+        [None] * 3,
+        lengths,
+    )
+    for (tokens, logq), (solo_tokens, solo_logq) in zip(together, alone):
+        assert tokens.tolist() == solo_tokens.tolist()
+        assert mx.allclose(logq, solo_logq, atol=1e-4).item()
+    assert [s.draft[0].offset for s in states] == [30, 26, 41]
+
+
+def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
+    checkpoints, make_pair, tmp_path
+):
+    path, model, _, _, _ = checkpoints("qwen3_next")
+    _, tokenizer = load(path)
+    prompt = "def add(a, b):"
+    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    expected, _ = decode_greedy(model, tokenizer, text, 40)
+    out = dflash_in_process(
+        f"generate --model {path} --draft mtp --max-tokens 40 --block-size 3 --json -p '{prompt}'"
+    )
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["text"] == expected
+    assert reply["proposed"] > 0
+
+    llama, _ = make_pair("llama-tied-gqa")
+    bare = tmp_path / "no-mtp"
+    shutil.copytree(path, bare)
+    weights = mx.load(str(bare / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    mx.save_safetensors(str(bare / "model.safetensors"), kept)
+    refusals = {
+        llama: "target model type 'llama' has no MTP layers dflash-mlx can run",
+        bare: "has no mtp.* tensors: mlx-lm's conversion drops them",
+    }
+    for target, why in refusals.items():
+        out = dflash_in_process(f"generate --model {target} --draft mtp -p x")
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("dflash-mlx generate: error: ") and why in last, out.stderr
+    out = dflash_in_process(f"generate --model {llama} --draft {llama} --mtp-bits 4 -p x")
+    assert out.returncode == 1 and "quantizes the 'mtp' drafter only" in out.stderr
+
+    answers = {
+        path: "yes: 1 MTP layer(s), unquantized (qwen3_next; --draft mtp)",
+        llama: "no: target model type 'llama' has no MTP layers",
+        bare: "no: no mtp.* tensors in this qwen3_next checkpoint",
+    }
+    for target, answer in answers.items():
+        out = dflash_in_process(f"info --model {target}")
+        assert out.returncode == 0, out.stderr
+        rows = dict(re.split(r"  +", line, maxsplit=1) for line in out.stdout.splitlines())
+        assert rows["MTP layers"].startswith(answer), rows

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import backends
@@ -207,21 +208,19 @@ class MTPDraft(nn.Module):
             [self.pre_fc_norm_embedding(embed(tokens)), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
         h = self.fc(h)
-        n = tokens.shape[1]
         if len(caches) == 1:
-            mask = "causal" if n > 1 else None
             for layer, cache in zip(self.layers, caches[0]):
-                h = layer(h, mask, cache)
+                h = layer(h, create_attention_mask(h, cache), cache)
             return self.norm(h)
-        with backends.building(self._row_swaps(n)):
+        with backends.building(self._row_swaps(tokens.shape[1])):
             for layer, cache in zip(self.layers, row_caches(caches)):
-                h = layer(h, cache.make_mask(n), cache)
+                h = layer(h, create_attention_mask(h, cache), cache)
         return self.norm(h)
 
     def _row_swaps(self, positions: int) -> list:
         """The swaps of a forward of several rows, each over its own caches (`rows.py`),
         found once per backend and kind (the lists live outside the parameter tree)."""
-        found = self.__dict__.setdefault("_row_swaps", {})
+        found = self.__dict__.setdefault("_found_swaps", {})
         key = (backends.current(), positions > 1)
         if key not in found:
             found[key] = backends.verify_swaps(self.layers, key[0], positions, rows_attention)
@@ -229,8 +228,8 @@ class MTPDraft(nn.Module):
 
     def catch_up(self, roots: mx.array, embed, rows: list[MTPRow]) -> mx.array:
         """Run every row's waiting positions through the MTP layers (the token after the last
-        is its root, `roots` (rows, 1)), in one forward padded to the longest; keep the last
-        position waiting. Returns each row's output at its last position (rows, 1, hidden)."""
+        is its root, `roots` (rows, 1)), in one forward padded to the longest. Returns each
+        row's output at its last position (rows, 1, hidden)."""
         counts = [row.cache.waiting for row in rows]
         if min(counts) < 1:
             raise ValueError("the MTP drafter has no target features before the root")
@@ -251,10 +250,8 @@ class MTPDraft(nn.Module):
         )
         last = []
         for i, (row, n) in enumerate(zip(rows, counts)):
-            cache = row.cache
-            for layer_cache in cache.layers:  # the padding, and the last position: it waits
-                layer_cache.trim(longest - n + 1)
-            cache.features = cache.features[:, -1:]
+            for layer_cache in row.cache.layers:
+                layer_cache.trim(longest - n)
             last.append(out[i : i + 1, n - 1 : n])
         return mx.concatenate(last)
 
@@ -292,9 +289,10 @@ class MTPDraft(nn.Module):
                     logqs[i].append(logq)
                 if contexts[i] is not None:
                     contexts[i].append(token.item())
-        for row in caches:
+        for row in caches:  # the steps' entries go, and the last position waits again
             for layer_cache in row.cache.layers:
-                layer_cache.trim(steps - 1)
+                layer_cache.trim(steps)
+            row.cache.features = row.cache.features[:, -1:]
         return [
             (mx.concatenate(d), mx.concatenate(q) if q else None) for d, q in zip(drafted, logqs)
         ]
