@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3_5, qwen3_5_moe, qwen3_next
+from mlx_lm.models import glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
 from test_cli import decode_greedy, dflash_in_process
-from test_families import FAMILIES, PROMPT, build, first_difference
+from test_families import BASE, FAMILIES, PROMPT, build, first_difference
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.chat_format import chat_prompt
@@ -24,11 +24,29 @@ from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 
 TOKENS = 120
+GLM4_MOE = dict(  # GLM-4.5 to 4.7: MoE from layer 1, its nextn layer after the last
+    BASE,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    routed_scaling_factor=1.0,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    use_qk_norm=True,
+    attention_bias=False,
+    partial_rotary_factor=0.5,
+    rope_scaling=None,
+)
 MTP_FAMILIES = {
     "qwen3_5": FAMILIES["qwen3_5"],
     "qwen3_5_moe": FAMILIES["qwen3_5_moe"],
     "qwen3_next": FAMILIES["qwen3_next"],
+    "glm4_moe": (glm4_moe, GLM4_MOE),
 }
+NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm"}
 MODULES = {"qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next}
 
 
@@ -47,8 +65,21 @@ def mtp_tensors(model_type: str, config: dict, seed: int) -> dict[str, mx.array]
             w = mx.random.uniform(0.5, 1.5, w.shape)
         else:
             w = w * 4.0 if w.any().item() else mx.random.normal(w.shape) / w.shape[-1] ** 0.5
-        out[f"mtp.{name}"] = w
+        out[published(model_type, name, args.num_hidden_layers)] = w
     return out
+
+
+def published(model_type: str, name: str, num_layers: int) -> str:
+    """A tensor's name in the published checkpoints: Qwen's `mtp.*`, or the nextn layer
+    after the target's last (GLM, DeepSeek-V3)."""
+    if model_type != "glm4_moe":
+        return f"mtp.{name}"
+    head, _, rest = name.partition(".")
+    if head == "layers":
+        return f"model.layers.{num_layers}.{rest.partition('.')[2]}"
+    if head == "norm":
+        return f"model.layers.{num_layers}.shared_head.norm.{rest}"
+    return f"model.layers.{num_layers}.{NEXTN[head]}.{rest}"
 
 
 def _config(model_type, args):
@@ -104,11 +135,21 @@ def save_mtp_target(path, name: str, seed: int = 0):
     model = build(model_type, seed=seed, fields=fields, families={model_type: (module, fields)})
     config = {"model_type": model_type, **json.loads(json.dumps(fields))}
     text = config.get("text_config") or config
-    text["mtp_num_hidden_layers"] = 1
+    text["num_nextn_predict_layers" if model_type == "glm4_moe" else "mtp_num_hidden_layers"] = 1
     weights = dict(tree_flatten(model.parameters()))
     weights.update(mtp_tensors(model_type, config, seed + 1))
     if model_type == "qwen3_next":  # mlx-lm loads it with mtp.* in the published layout only
         weights = hugging_face_layout(weights)
+    if model_type == "glm4_moe":  # the nextn layer's experts one by one, as published
+        weights = {
+            **{k: v for k, v in weights.items() if ".switch_mlp." not in k},
+            **hugging_face_layout({k: v for k, v in weights.items() if ".switch_mlp." in k}),
+        }
+        num_layers = config["num_hidden_layers"]  # and its copies of the embedding and head
+        weights[f"model.layers.{num_layers}.embed_tokens.weight"] = weights[
+            "model.embed_tokens.weight"
+        ]
+        weights[f"model.layers.{num_layers}.shared_head.head.weight"] = weights["lm_head.weight"]
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
     return path
@@ -139,7 +180,7 @@ def generated(model, draft, tokenizer, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 5])
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe"])
 def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
     _, model, tokenizer, draft, expected = checkpoints(name)
     tokens, responses = generated(
@@ -175,7 +216,7 @@ def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[i
     return chain
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "glm4_moe"])
 def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, monkeypatch):
     """The cache bookkeeping (waiting features, entries of the target's hidden states only,
     the steps' entries trimmed) drafts what the layer drafts over the whole sequence."""
@@ -286,7 +327,7 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
     mx.save_safetensors(str(bare / "model.safetensors"), kept)
     refusals = {
         llama: "target model type 'llama' has no MTP layers dflash-mlx can run",
-        bare: "has no mtp.* tensors: mlx-lm's conversion drops them",
+        bare: "has no MTP tensors: mlx-lm's conversion drops them",
     }
     for target, why in refusals.items():
         out = dflash_in_process(f"generate --model {target} --draft mtp -p x")
@@ -299,7 +340,7 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
     answers = {
         path: "yes: 1 MTP layer(s), unquantized (qwen3_next; --draft mtp)",
         llama: "no: target model type 'llama' has no MTP layers",
-        bare: "no: no mtp.* tensors in this qwen3_next checkpoint",
+        bare: "no: no MTP tensors in this qwen3_next checkpoint",
     }
     for target, answer in answers.items():
         out = dflash_in_process(f"info --model {target}")

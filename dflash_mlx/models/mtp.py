@@ -40,14 +40,39 @@ from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rows import attention as rows_attention
 from .rows import row_caches
 
-# model_type -> (mlx-lm module, its decoder layer class, its args class, whether the text
-# config is nested under `text_config`): the families whose checkpoints publish `mtp.*` layers
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its MTP layers: the mlx-lm module, decoder layer class and args
+    class of its layers, the config field counting them, and how its checkpoints name them:
+    Qwen's `mtp.*` (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.i`, `norm`)
+    or DeepSeek-V3's nextn layers after the last (`model.layers.{N + i}.*`, with `eh_proj`,
+    `enorm`, `hnorm` and `shared_head.norm`; their copies of the target's embedding and
+    head, which they share, are not read)."""
+
+    module: str
+    layer: str
+    args: str
+    count: str
+    nextn: bool = False
+
+
 LAYOUTS = {
-    "qwen3_5": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
-    "qwen3_5_moe": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
-    "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer", "ModelArgs"),
+    "qwen3_5": Layout("qwen3_5", "DecoderLayer", "TextModelArgs", "mtp_num_hidden_layers"),
+    "qwen3_5_moe": Layout("qwen3_5", "DecoderLayer", "TextModelArgs", "mtp_num_hidden_layers"),
+    "qwen3_next": Layout(
+        "qwen3_next", "Qwen3NextDecoderLayer", "ModelArgs", "mtp_num_hidden_layers"
+    ),
+    "glm4_moe": Layout("glm4_moe", "DecoderLayer", "ModelArgs", "num_nextn_predict_layers", True),
 }
 PREFIX = "mtp."
+NEXTN_NAMES = {
+    "eh_proj": "fc",
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "shared_head.norm": "norm",
+}
+NEXTN_SHARED = ("embed_tokens.", "shared_head.head.")  # the target's own, not read
 # The MTP norms a Hugging Face checkpoint stores zero-centred (the weight is 1 + w), as
 # mlx-lm's sanitize adds 1 to the target's own.
 CENTRED_NORMS = (
@@ -174,19 +199,19 @@ class MTPDraft(nn.Module):
     def __init__(self, config: MTPConfig, args: Any):
         super().__init__()
         self.config = config
-        module_name, layer_class, _ = LAYOUTS[config.model_type]
-        layer = getattr(importlib.import_module(f"mlx_lm.models.{module_name}"), layer_class)
+        layout = LAYOUTS[config.model_type]
+        layer = getattr(importlib.import_module(f"mlx_lm.models.{layout.module}"), layout.layer)
         # the MTP layer attends over every position and is an MoE layer where the target's are
-        full = {"full_attention_interval": 1}
-        if any(f.name == "mlp_only_layers" for f in fields(args)):
-            full["mlp_only_layers"] = []
-        args = replace(args, **full)
+        # (a nextn layer by its own index: after the last, past the dense ones)
+        index = args.num_hidden_layers if layout.nextn else 0
+        full = {"full_attention_interval": 1, "mlp_only_layers": []}
+        args = replace(args, **{k: v for k, v in full.items() if k in _fields(args)})
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.target_norm = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = [layer(args, 0) for _ in range(config.num_hidden_layers)]
+        self.layers = [layer(args, index) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=eps)
 
     def make_cache(self) -> list[MTPCache]:
@@ -315,11 +340,30 @@ def mtp_layout(config: dict) -> tuple[str, dict]:
     return model_type, config.get("text_config") or config
 
 
-def read_mtp_tensors(path: Path) -> tuple[dict[str, mx.array], mx.array | None, bool]:
-    """The checkpoint's `mtp.*` tensors (named without the prefix), its final norm's weight,
-    and whether it is in the Hugging Face layout (its norms stored zero-centred), told as
-    mlx-lm's sanitize tells it: by its convolution weights' shape. Reads lazily: only these
-    tensors are loaded."""
+def mtp_name(key: str, layout: Layout, num_layers: int) -> str | None:
+    """A checkpoint tensor's name in `MTPDraft` (`key` without a leading "model."), or None
+    for a tensor of the target or a nextn layer's copy of the target's embedding or head."""
+    if not layout.nextn:
+        return key.removeprefix(PREFIX) if key.startswith(PREFIX) else None
+    parts = key.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        return None
+    index, rest = int(parts[1]) - num_layers, parts[2]
+    if index < 0 or rest.startswith(NEXTN_SHARED):
+        return None
+    for name, ours in NEXTN_NAMES.items():
+        if rest.startswith(name + "."):
+            return ours + rest.removeprefix(name) if index == 0 else None
+    return f"layers.{index}.{rest}"
+
+
+def read_mtp_tensors(
+    path: Path, layout: Layout, num_layers: int
+) -> tuple[dict[str, mx.array], mx.array | None, bool]:
+    """The checkpoint's MTP tensors (named as `MTPDraft` names them, `mtp_name`), its final
+    norm's weight, and whether it is in the Hugging Face layout (its norms stored
+    zero-centred), told as mlx-lm's sanitize tells it: by its convolution weights' shape.
+    Reads lazily: only these tensors are loaded."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {path}")
@@ -332,8 +376,9 @@ def read_mtp_tensors(path: Path) -> tuple[dict[str, mx.array], mx.array | None, 
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
         for name, w in weights.items():
             key = name.removeprefix("model.")
-            if key.startswith(PREFIX):
-                tensors[key.removeprefix(PREFIX)] = w
+            ours = mtp_name(key, layout, num_layers)
+            if ours is not None:
+                tensors[ours] = w
             elif key in FINAL_NORM_NAMES:
                 final_norm = w
             elif "conv1d.weight" in key and w.shape[-1] != 1:
@@ -341,9 +386,9 @@ def read_mtp_tensors(path: Path) -> tuple[dict[str, mx.array], mx.array | None, 
     return tensors, final_norm, hugging_face
 
 
-def sanitize(tensors: dict[str, mx.array], hugging_face: bool, num_experts: int) -> dict:
-    """The MTP tensors as mlx-lm's layer names them: experts stacked (Qwen3-Next's one tensor
-    per expert, Qwen3.5's fused gate and up projections split) and, from a Hugging Face
+def sanitize(tensors: dict[str, mx.array], hugging_face: bool) -> dict:
+    """The MTP tensors as mlx-lm's layer names them: experts stacked (one tensor per expert,
+    or Qwen3.5's fused gate and up projections split) and, from a Hugging Face Qwen
     checkpoint, the zero-centred norms made whole."""
     out = dict(tensors)
     for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:
@@ -355,8 +400,9 @@ def sanitize(tensors: dict[str, mx.array], hugging_face: bool, num_experts: int)
         out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
     for key in [k for k in out if k.endswith(".experts.0.up_proj.weight")]:
         prefix = key.removesuffix(".experts.0.up_proj.weight")
+        count = sum(k.startswith(f"{prefix}.experts.") for k in out) // 3
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            experts = [out.pop(f"{prefix}.experts.{e}.{proj}.weight") for e in range(num_experts)]
+            experts = [out.pop(f"{prefix}.experts.{e}.{proj}.weight") for e in range(count)]
             out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack(experts)
     if hugging_face:
         for key, w in out.items():
@@ -367,24 +413,36 @@ def sanitize(tensors: dict[str, mx.array], hugging_face: bool, num_experts: int)
 
 def mtp_args(model_type: str, text_config: dict) -> Any:
     """mlx-lm's args of the target's layers, from its (text) config."""
-    module_name, _, args_class = LAYOUTS[model_type]
-    module = importlib.import_module(f"mlx_lm.models.{module_name}")
-    return getattr(module, args_class).from_dict({"model_type": model_type, **text_config})
+    layout = LAYOUTS[model_type]
+    module = importlib.import_module(f"mlx_lm.models.{layout.module}")
+    return getattr(module, layout.args).from_dict({"model_type": model_type, **text_config})
+
+
+def _fields(args: Any) -> set[str]:
+    return {f.name for f in fields(args)}
+
+
+def _read(path: Path) -> tuple[str, dict, int, dict[str, mx.array], mx.array | None, bool]:
+    """The checkpoint's model type, config, MTP layer count, and `read_mtp_tensors`."""
+    config = read_config(path)
+    model_type, text = mtp_layout(config)
+    layout = LAYOUTS[model_type]
+    num_layers = int(text.get(layout.count, 1) or 0)
+    target_layers = int(text.get("num_hidden_layers", 0))
+    return model_type, config, num_layers, *read_mtp_tensors(path, layout, target_layers)
 
 
 def describe_mtp(path_or_repo: str | Path) -> str:
     """Whether the target checkpoint carries MTP layers dflash-mlx can draft with, in words."""
     path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
     try:
-        model_type, text = mtp_layout(read_config(path))
+        model_type, _, num_layers, tensors, _, _ = _read(path)
     except ValueError as exc:
         return f"no: {exc}"
-    tensors, _, _ = read_mtp_tensors(path)
-    if not tensors:
-        return f"no: no mtp.* tensors in this {model_type} checkpoint (mlx-lm's convert drops them)"
-    layers = int(text.get("mtp_num_hidden_layers", 1))
+    if not tensors or not num_layers:
+        return f"no: no MTP tensors in this {model_type} checkpoint (mlx-lm's convert drops them)"
     stored = "quantized" if any(k.endswith(".scales") for k in tensors) else "unquantized"
-    return f"yes: {layers} MTP layer(s), {stored} ({model_type}; --draft mtp)"
+    return f"yes: {num_layers} MTP layer(s), {stored} ({model_type}; --draft mtp)"
 
 
 def load_mtp(
@@ -401,18 +459,15 @@ def load_mtp(
     Refused in one line for a family without MTP layers or a checkpoint that lacks them.
     """
     path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
-    config = read_config(path)
-    model_type, text = mtp_layout(config)
-    tensors, final_norm, hugging_face = read_mtp_tensors(path)
-    if not tensors:
+    model_type, config, num_layers, tensors, final_norm, hugging_face = _read(path)
+    if not tensors or not num_layers:
         raise ValueError(
-            f"the checkpoint at {path} has no mtp.* tensors: mlx-lm's conversion drops them; "
+            f"the checkpoint at {path} has no MTP tensors: mlx-lm's conversion drops them; "
             "use the original checkpoint (or one converted with them)"
         )
     if final_norm is None:
         raise ValueError(f"the checkpoint at {path} has no final norm weight (model.norm.weight)")
-    args = mtp_args(model_type, text)
-    num_layers = int(text.get("mtp_num_hidden_layers", 1))
+    args = mtp_args(model_type, config.get("text_config") or config)
     mtp = MTPConfig(
         model_type=model_type,
         hidden_size=args.hidden_size,
@@ -424,7 +479,7 @@ def load_mtp(
         quantization=config.get("quantization") if any(".scales" in k for k in tensors) else None,
     )
     model = MTPDraft(mtp, args)
-    weights = sanitize(tensors, hugging_face, getattr(args, "num_experts", 0))
+    weights = sanitize(tensors, hugging_face)
     weights["target_norm.weight"] = final_norm + 1.0 if hugging_face else final_norm
     if mtp.quantization:
         q = mtp.quantization
