@@ -11,12 +11,14 @@ import shutil
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
 from test_cli import decode_greedy, dflash_in_process
-from test_families import BASE, FAMILIES, PROMPT, build, first_difference
+from test_families import BASE, FAMILIES, PROMPT, build, first_difference, prompt_of
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.chat_format import chat_prompt
@@ -50,23 +52,28 @@ NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden"
 MODULES = {"qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next}
 
 
-def mtp_tensors(model_type: str, config: dict, seed: int) -> dict[str, mx.array]:
-    """Random `mtp.*` tensors of one MTP layer for a target of this config: an mlx-lm
-    decoder layer of the target's own kind, with full attention, in the published names."""
+def mtp_tensors(model_type: str, config: dict, seed: int, model) -> dict[str, mx.array]:
+    """`mtp.*` tensors of one MTP layer for `model` (a target of this config) in the published
+    names: an mlx-lm decoder layer of the target's own kind, with full attention, briefly
+    trained on the target's greedy continuations, so that its drafts are often accepted."""
     text = config.get("text_config") or config
     args = mtp_args(model_type, text)
     mx.random.seed(seed)
     draft = MTPDraft(_config(model_type, args), args)
-    out = {}
     for name, w in tree_flatten(draft.parameters()):
-        if name.startswith("target_norm"):
-            continue
         if w.ndim == 1:  # norms away from 1, so that they matter
             w = mx.random.uniform(0.5, 1.5, w.shape)
+        elif w.any().item():
+            w = w * 2.0
         else:
-            w = w * 4.0 if w.any().item() else mx.random.normal(w.shape) / w.shape[-1] ** 0.5
-        out[published(model_type, name, args.num_hidden_layers)] = w
-    return out
+            w = mx.random.normal(w.shape) / w.shape[-1] ** 0.5
+        draft.load_weights([(name, w)], strict=False)
+    train(draft, model)
+    return {
+        published(model_type, name, args.num_hidden_layers): w
+        for name, w in tree_flatten(draft.parameters())
+        if not name.startswith("target_norm")
+    }
 
 
 def published(model_type: str, name: str, num_layers: int) -> str:
@@ -80,6 +87,48 @@ def published(model_type: str, name: str, num_layers: int) -> str:
     if head == "norm":
         return f"model.layers.{num_layers}.shared_head.norm.{rest}"
     return f"model.layers.{num_layers}.{NEXTN[head]}.{rest}"
+
+
+def mtp_forward(draft, target, tokens: mx.array, hidden: mx.array) -> mx.array:
+    """The MTP layer over whole sequences without a cache: its output at each position of
+    `tokens` (the token after each position of the target's final hidden states `hidden`)."""
+    h = mx.concatenate(
+        [
+            draft.pre_fc_norm_embedding(target.embed_tokens(tokens)),
+            draft.pre_fc_norm_hidden(hidden),
+        ],
+        axis=-1,
+    )
+    h = draft.fc(h)
+    for layer in draft.layers:
+        h = layer(h, "causal" if h.shape[1] > 1 else None, None)
+    return draft.norm(h)
+
+
+def train(draft, model, steps: int = 60) -> None:
+    """Fit the MTP layer to the target's greedy continuations of a few prompts: from the
+    target's final hidden state at p and the token at p + 1, the token at p + 2."""
+    target = TargetAdapter(model)
+    sequences = [  # the tests' own prompt among them: its replies' drafts are often accepted
+        prompt + reference_greedy(model, prompt, TOKENS, set())
+        for prompt in [PROMPT, *(prompt_of(len(PROMPT), seed) for seed in range(1, 4))]
+    ]
+    batch = mx.array(sequences)
+    hidden = target.backbone(batch[:, :-2])
+    tokens, labels = batch[:, 1:-1], batch[:, 2:]
+
+    def loss(module):
+        logits = target.lm_head(mtp_forward(module, target, tokens, hidden))
+        return nn.losses.cross_entropy(logits, labels).mean()
+
+    step = nn.value_and_grad(draft, loss)
+    optimizer = optim.Adam(learning_rate=3e-3)
+    draft.target_norm.freeze()
+    for _ in range(steps):
+        _, grads = step(draft)
+        optimizer.update(draft, grads)
+        mx.eval(draft.parameters(), optimizer.state)
+    draft.unfreeze()
 
 
 def _config(model_type, args):
@@ -131,13 +180,18 @@ def save_mtp_target(path, name: str, seed: int = 0):
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path)
     module, fields = MTP_FAMILIES[name]
-    model_type = name.removesuffix("_shared")
+    model_type = name
     model = build(model_type, seed=seed, fields=fields, families={model_type: (module, fields)})
     config = {"model_type": model_type, **json.loads(json.dumps(fields))}
     text = config.get("text_config") or config
     text["num_nextn_predict_layers" if model_type == "glm4_moe" else "mtp_num_hidden_layers"] = 1
     weights = dict(tree_flatten(model.parameters()))
-    weights.update(mtp_tensors(model_type, config, seed + 1))
+    mx.random.seed(seed + 2)
+    for key, w in weights.items():  # norms away from 1, the final one read by the MTP layer
+        if key.endswith("norm.weight"):
+            weights[key] = mx.random.uniform(0.5, 1.5, w.shape)
+    model.load_weights(list(weights.items()))
+    weights.update(mtp_tensors(model_type, config, seed + 1, model))
     if model_type == "qwen3_next":  # mlx-lm loads it with mtp.* in the published layout only
         weights = hugging_face_layout(weights)
     if model_type == "glm4_moe":  # the nextn layer's experts one by one, as published
@@ -187,7 +241,9 @@ def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
         model, draft, tokenizer, PROMPT, block_size=block_size, max_tokens=TOKENS
     )
     assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
+    accepted = [r.accepted for r in responses[1:-1]]
     assert sum(r.proposed for r in responses) >= (TOKENS - 1) // block_size
+    assert len(set(accepted)) > 1  # drafts accepted and rejected: rollbacks of several depths
 
 
 def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[int]:
@@ -199,17 +255,7 @@ def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[i
     tokens = mx.array(sequence[1:])[None]
     chain = []
     for _ in range(length):
-        h = mx.concatenate(
-            [
-                draft.pre_fc_norm_embedding(target.embed_tokens(tokens)),
-                draft.pre_fc_norm_hidden(hidden),
-            ],
-            axis=-1,
-        )
-        h = draft.fc(h)
-        for layer in draft.layers:
-            h = layer(h, "causal" if h.shape[1] > 1 else None, None)
-        out = draft.norm(h)
+        out = mtp_forward(draft, target, tokens, hidden)
         chain.append(mx.argmax(target.lm_head(out[:, -1]), axis=-1).item())
         hidden = mx.concatenate([hidden, out[:, -1:]], axis=1)
         tokens = mx.concatenate([tokens, mx.array([[chain[-1]]])], axis=1)

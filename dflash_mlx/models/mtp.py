@@ -223,8 +223,9 @@ class MTPDraft(nn.Module):
         """The target's last-layer features (rows, n, hidden) of the positions each row kept:
         row i's first `counts[i]` (all if None) wait for the next chain."""
         counts = counts or [features.shape[1]] * len(rows)
+        normed = self.target_norm(features)  # the target's final hidden states
         for i, (row, n) in enumerate(zip(rows, counts)):
-            row.cache.append(features[i : i + 1, :n])
+            row.cache.append(normed[i : i + 1, :n])
 
     def step(self, tokens: mx.array, hidden: mx.array, embed, caches: list[list[KVCache]]):
         """The MTP layers' output (rows, n, hidden) at `tokens` (rows, n) after the hidden
