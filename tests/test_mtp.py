@@ -17,13 +17,17 @@ import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
-from test_cli import decode_greedy, dflash_in_process
+from test_cli import decode_greedy, detokenized, dflash_in_process
 from test_families import BASE, FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_server import serving
+from test_server_batch import answer, burst
 
-from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
 from dflash_mlx.chat_format import chat_prompt
+from dflash_mlx.decode import cycle
 from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
+from dflash_mlx.serve import Worker
 
 TOKENS = 120
 GLM4_MOE = dict(  # GLM-4.5 to 4.7: MoE from layer 1, its nextn layer after the last
@@ -388,8 +392,48 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
         llama: "no: target model type 'llama' has no MTP layers",
         bare: "no: no MTP tensors in this qwen3_next checkpoint",
     }
-    for target, answer in answers.items():
+    for target, said in answers.items():
         out = dflash_in_process(f"info --model {target}")
         assert out.returncode == 0, out.stderr
         rows = dict(re.split(r"  +", line, maxsplit=1) for line in out.stdout.splitlines())
-        assert rows["MTP layers"].startswith(answer), rows
+        assert rows["MTP layers"].startswith(said), rows
+
+
+@pytest.mark.parametrize("setting", [dict(tree_budget=6), dict()])
+def test_trees_from_the_top_k_and_the_default_strategy_are_lossless(checkpoints, setting):
+    """A target that verifies trees (glm4_moe: plain KV caches) takes trees of the MTP layers'
+    top-k at each step of their greedy chain, with a tree budget or by the default's choice."""
+    _, model, tokenizer, draft, expected = checkpoints("glm4_moe")
+    tokens, responses = generated(model, draft, tokenizer, PROMPT, max_tokens=TOKENS, **setting)
+    assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
+    drafting = responses[-1].drafting
+    assert drafting.trees > 0 and sum(r.accepted for r in responses) > 0
+    if setting:
+        assert drafting.chains == 0
+
+
+def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypatch):
+    """Four concurrent requests to a target whose caches share forwards (glm4_moe) verify in
+    shared cycles, each row accepting its own drafts (no uniform acceptance across the
+    batch), and each reply is the one it gets alone."""
+    _, model, tokenizer, draft, _ = checkpoints("glm4_moe")
+    settled = []
+    settle = cycle.settle
+
+    def recorded(pending, *args, **kwargs):
+        commits = settle(pending, *args, **kwargs)
+        settled.append([commit.accepted for _, commit in commits])
+        return commits
+
+    monkeypatch.setattr(cycle, "settle", recorded)
+    prompts = [PROMPT, *(prompt_of(len(PROMPT), seed) for seed in range(1, 4))]
+    requests = [{"prompt": p, "max_tokens": 40} for p in prompts]
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=40), max_batch=4)
+    with serving(worker) as port:
+        alone = [answer(port, **r) for r in requests]
+        together = burst(worker, port, requests, send=answer)
+    texts = [a["choices"][0]["text"] for a in together]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    assert texts[0] == detokenized(tokenizer, reference_greedy(model, PROMPT, 40, set()))
+    assert all(a["dflash"]["shared_cycles"] > 0 for a in together)
+    assert any(len(set(accepted)) > 1 for accepted in settled if len(accepted) > 1)

@@ -25,6 +25,7 @@ them from the target's own safetensors.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,9 +37,11 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import backends
+from .draft import Choose, DraftHead, TreeScores, rank_tree
 from .loading import cast_model, default_dtype, read_config, resolve_path
 from .rows import attention as rows_attention
 from .rows import row_caches
+from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,13 @@ class MTPDraft(nn.Module):
         for i, (row, n) in enumerate(zip(rows, counts)):
             row.cache.append(normed[i : i + 1, :n])
 
-    def step(self, tokens: mx.array, hidden: mx.array, embed, caches: list[list[KVCache]]):
+    def step(
+        self,
+        tokens: mx.array,
+        hidden: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        caches: list[list[KVCache]],
+    ) -> mx.array:
         """The MTP layers' output (rows, n, hidden) at `tokens` (rows, n) after the hidden
         states `hidden` (rows, n, hidden), row i appended to its caches `caches[i]`."""
         h = mx.concatenate(
@@ -252,7 +261,9 @@ class MTPDraft(nn.Module):
             found[key] = backends.verify_swaps(self.layers, key[0], positions, rows_attention)
         return found[key]
 
-    def catch_up(self, roots: mx.array, embed, rows: list[MTPRow]) -> mx.array:
+    def catch_up(
+        self, roots: mx.array, embed: Callable[[mx.array], mx.array], rows: list[MTPRow]
+    ) -> mx.array:
         """Run every row's waiting positions through the MTP layers (the token after the last
         is its root, `roots` (rows, 1)), in one forward padded to the longest. Returns each
         row's output at its last position (rows, 1, hidden)."""
@@ -281,33 +292,51 @@ class MTPDraft(nn.Module):
             last.append(out[i : i + 1, n - 1 : n])
         return mx.concatenate(last)
 
+    def chain(
+        self,
+        roots: mx.array,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        rows: list[MTPRow],
+        steps: int,
+        pick: Callable[[int, mx.array], mx.array],
+    ) -> None:
+        """The MTP layers over the waiting positions, then `steps` - 1 steps on their own
+        output, every row in one forward per step; `pick(step, logits)` turns each step's
+        logits (rows, 1, vocab) into the tokens (rows, 1) the next step reads. The steps'
+        entries leave the caches again, and the last position waits again."""
+        hidden = self.catch_up(roots, embed, rows)
+        tokens = roots
+        for step in range(steps):
+            if step:
+                hidden = self.step(tokens, hidden, embed, [row.cache.layers for row in rows])
+            tokens = pick(step, lm_head(hidden))
+        for row in rows:
+            for layer_cache in row.cache.layers:
+                layer_cache.trim(steps)
+            row.cache.features = row.cache.features[:, -1:]
+
     def propose(
         self,
         blocks: mx.array,
-        embed,
-        lm_head,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
         caches: list[MTPRow],
-        chooses: list,
+        chooses: list[Choose],
         contexts: list[list[int] | None],
         lengths: list[int],
     ) -> list[tuple[mx.array, mx.array | None]]:
         """Each row's chain of `lengths[i]` drafts after its root (`blocks[i, 0]`; the rest
-        of a block is unread) and their log-probabilities: the MTP layers run over the
-        waiting positions, then once per further draft on their own output, every row in
-        one forward per step; row i's drafts chosen by `chooses[i]` (a `Verifier.propose`)
-        after `contexts[i]` and the drafts before. The steps' entries leave the caches."""
-        hidden = self.catch_up(blocks[:, :1], embed, caches)
+        of a block is unread) and their log-probabilities, row i's drafts chosen by
+        `chooses[i]` (a `Verifier.propose`) after `contexts[i]` and the drafts before."""
         drafted: list[list[mx.array]] = [[] for _ in caches]
         logqs: list[list[mx.array]] = [[] for _ in caches]
         contexts = [None if c is None else list(c) for c in contexts]
-        steps = max(lengths)
-        for step in range(steps):
-            if step:
-                tokens = mx.stack([d[-1] for d in drafted])
-                hidden = self.step(tokens, hidden, embed, [row.cache.layers for row in caches])
-            logits = lm_head(hidden)
+
+        def pick(step: int, logits: mx.array) -> mx.array:
             for i, choose in enumerate(chooses):
-                if step >= lengths[i]:
+                if step >= lengths[i]:  # a shorter chain: its steps past the end are unread
+                    drafted[i].append(drafted[i][-1])
                     continue
                 token, logq = choose(logits[i, :1], contexts[i])
                 drafted[i].append(token)
@@ -315,18 +344,39 @@ class MTPDraft(nn.Module):
                     logqs[i].append(logq)
                 if contexts[i] is not None:
                     contexts[i].append(token.item())
-        for row in caches:  # the steps' entries go, and the last position waits again
-            for layer_cache in row.cache.layers:
-                layer_cache.trim(steps)
-            row.cache.features = row.cache.features[:, -1:]
+            return mx.stack([d[-1] for d in drafted])
+
+        self.chain(blocks[:, :1], embed, lm_head, caches, max(lengths), pick)
         return [
-            (mx.concatenate(d), mx.concatenate(q) if q else None) for d, q in zip(drafted, logqs)
+            (mx.concatenate(d[:n]), mx.concatenate(q) if q else None)
+            for d, q, n in zip(drafted, logqs, lengths)
         ]
 
-    def trees(self, *args: Any) -> list:
-        """Trees need a target that verifies them; none of the MTP families' targets does
-        (recurrent or compressed caches), so the plan never asks."""
-        raise ValueError("the MTP drafter drafts chains only")
+    def trees(
+        self,
+        roots: list[int],
+        depth: int,
+        embed: Callable[[mx.array], mx.array],
+        head: DraftHead,
+        caches: list[MTPRow],
+        budgets: list[int],
+        scores: list[TreeScores | None],
+    ) -> list[Tree]:
+        """Each row's `budgets[i]` most likely continuations of `roots[i]`, up to `depth`
+        deep, from the MTP layers' top-k at each step of their greedy chain (each depth's
+        tokens ranked apart, as the DFlash drafter's, by `scores[i]` of the logits if given)."""
+        logits = []
+
+        def pick(step: int, step_logits: mx.array) -> mx.array:
+            logits.append(step_logits)
+            return mx.argmax(step_logits, axis=-1)
+
+        self.chain(mx.array(roots)[:, None], embed, head, caches, depth, pick)
+        rows = mx.concatenate(logits, axis=1)
+        return [
+            rank_tree(root, rows[i], head.token_ids, budget, score)
+            for i, (root, budget, score) in enumerate(zip(roots, budgets, scores))
+        ]
 
 
 def mtp_layout(config: dict) -> tuple[str, dict]:
