@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from ..staging import remove_stale, staging_path
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
-from .loading import cast_model, default_dtype, read_config, resolve_path
+from .loading import cast_model, default_dtype, load_checked, read_config, resolve_path
 from .mtp import MTPDraft, load_mtp
 from .target import TargetAdapter
 
@@ -125,30 +125,7 @@ def load_draft(
     if context_window is None:
         context_window = (raw.get("dflash_config") or {}).get("context_window")
     model = new_draft(config, kernels, context_window or None)
-    if config.quantization:
-        q = config.quantization
-        nn.quantize(
-            model,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            class_predicate=lambda name, m: f"{name}.scales" in weights,
-        )
-    expected = {name for name, _ in tree_flatten(model.parameters())}
-    missing = sorted(expected - weights.keys())
-    unexpected = sorted(weights.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"drafter weights in {path} do not match its config: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, param in tree_flatten(model.parameters()):
-        if param.shape != weights[name].shape:
-            raise ValueError(
-                f"drafter weight {name} has shape {weights[name].shape}, "
-                f"config implies {param.shape}"
-            )
-    model.load_weights(list(weights.items()))
+    load_checked(model, weights, config.quantization, f"drafter weights in {path}")
     cast_model(model, dtype if dtype is not None else default_dtype())
     mx.eval(model.parameters())
     model.eval()

@@ -32,13 +32,12 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import backends
 from .draft import Choose, DraftHead, TreeScores, rank_tree
-from .loading import cast_model, default_dtype, read_config, resolve_path
+from .loading import cast_model, default_dtype, load_checked, read_config, resolve_path
 from .rows import attention as rows_attention
 from .rows import row_caches
 from .tree import Tree
@@ -532,22 +531,7 @@ def load_mtp(
     model = MTPDraft(mtp, args)
     weights = sanitize(tensors, hugging_face)
     weights["target_norm.weight"] = final_norm + 1.0 if hugging_face else final_norm
-    if mtp.quantization:
-        q = mtp.quantization
-        nn.quantize(
-            model,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            class_predicate=lambda name, m: f"{name}.scales" in weights,
-        )
-    expected = {name for name, _ in tree_flatten(model.parameters())}
-    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"the mtp.* tensors in {path} do not match its config: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.load_weights(list(weights.items()))
+    load_checked(model, weights, mtp.quantization, f"the MTP tensors in {path}")
     cast_model(model, dtype if dtype is not None else default_dtype())
     if bits is not None:
         nn.quantize(model, group_size=64, bits=bits, class_predicate=_quantizable)
