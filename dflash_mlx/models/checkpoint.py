@@ -22,7 +22,14 @@ from mlx.utils import tree_flatten
 from ..staging import remove_stale, staging_path
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
-from .loading import cast_model, default_dtype, load_checked, read_config, resolve_path
+from .loading import (
+    cast_model,
+    default_dtype,
+    load_checked,
+    read_config,
+    resolve_path,
+    safetensors,
+)
 from .mtp import MTPDraft, load_mtp
 from .target import TargetAdapter
 
@@ -35,16 +42,9 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     A tensor in two files is an error: one of them is stale (an older conversion's
     file left beside a newer one), and which would win depends on file names alone.
     """
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
     weights: dict[str, mx.array] = {}
     origin: dict[str, Path] = {}
-    for file in files:
-        try:
-            tensors = mx.load(str(file))
-        except Exception as exc:
-            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+    for file, tensors in safetensors(path):
         for name, w in tensors.items():
             key = name.removeprefix("model.")
             if key.endswith(IGNORED_SUFFIXES):

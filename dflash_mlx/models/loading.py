@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,6 +71,20 @@ def hub_error(exc: Exception, what: str, name: str) -> Exception:
     return FileNotFoundError(
         f"could not fetch {what} '{name}' from the Hugging Face hub ({detail})"
     )
+
+
+def safetensors(path: Path) -> Iterator[tuple[Path, dict[str, mx.array]]]:
+    """Each *.safetensors file in `path` and its tensors (read lazily: only those used are
+    loaded), or a one-line error."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    for file in files:
+        try:
+            tensors = mx.load(str(file))
+        except Exception as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+        yield file, tensors
 
 
 def read_config(path: Path) -> dict:

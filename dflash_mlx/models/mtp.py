@@ -37,7 +37,14 @@ from mlx_lm.models.cache import KVCache
 
 from . import backends
 from .draft import Choose, DraftHead, TreeScores, rank_tree
-from .loading import cast_model, default_dtype, load_checked, read_config, resolve_path
+from .loading import (
+    cast_model,
+    default_dtype,
+    load_checked,
+    read_config,
+    resolve_path,
+    safetensors,
+)
 from .rows import attention as rows_attention
 from .rows import row_caches
 from .tree import Tree
@@ -414,16 +421,9 @@ def read_mtp_tensors(
     norm's weight, and whether it is in the Hugging Face layout (its norms stored
     zero-centred), told as mlx-lm's sanitize tells it: by its convolution weights' shape.
     Reads lazily: only these tensors are loaded."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
     tensors: dict[str, mx.array] = {}
     final_norm, hugging_face = None, False
-    for file in files:
-        try:
-            weights = mx.load(str(file))
-        except Exception as exc:
-            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+    for _, weights in safetensors(path):
         for name, w in weights.items():
             key = name.removeprefix("model.")
             ours = mtp_name(key, layout, num_layers)
