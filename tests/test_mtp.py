@@ -189,6 +189,8 @@ def save_mtp_target(path, name: str, seed: int = 0):
     config = {"model_type": model_type, **json.loads(json.dumps(fields))}
     text = config.get("text_config") or config
     text["num_nextn_predict_layers" if model_type == "glm4_moe" else "mtp_num_hidden_layers"] = 1
+    if text is not config:  # as Qwen3.5's published configs name it
+        text["model_type"] = f"{model_type}_text"
     weights = dict(tree_flatten(model.parameters()))
     mx.random.seed(seed + 2)
     for key, w in weights.items():  # norms away from 1, the final one read by the MTP layer
@@ -437,3 +439,43 @@ def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypat
     assert texts[0] == detokenized(tokenizer, reference_greedy(model, PROMPT, 40, set()))
     assert all(a["dflash"]["shared_cycles"] > 0 for a in together)
     assert any(len(set(accepted)) > 1 for accepted in settled if len(accepted) > 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
+    """An independent reference: mlx-vlm's Qwen3.5 MTP drafter (installed for this test only)
+    on the same `mtp.*` tensors and target drafts the same chain after a prompt."""
+    drafters = pytest.importorskip("mlx_vlm.speculative.drafters.qwen3_5_mtp")
+    path, model, _, draft, expected = checkpoints(name)
+    config = json.loads((path / "config.json").read_text())
+    reference = drafters.Model(drafters.ModelConfig.from_dict(config))
+    tensors = {
+        k.removeprefix("mtp."): v
+        for k, v in mx.load(str(path / "model.safetensors")).items()
+        if k.startswith("mtp.")
+    }  # as its splitter reads an MLX checkpoint
+    reference.load_weights(list(reference.sanitize(tensors).items()))
+    reference.set_dtype(mx.float32)
+    reference.reset(model)
+
+    target = TargetAdapter(model)
+    prompt, root = PROMPT, expected[0]
+    hidden = target.backbone(mx.array(prompt)[None])
+    reference.prefill_from_target_hidden(mx.array(prompt)[None], hidden, root, None, greedy=True)
+    theirs = reference.draft_block(root, hidden[:, -1:], None, 6, None, greedy=True)
+
+    state = SimpleNamespace(draft=draft.make_cache(), tokens=list(prompt))
+    taps = draft.config.target_layer_ids
+    draft.append_context(
+        target.forward(mx.array(prompt)[None], None, taps=taps).features, [MTPRow(state)]
+    )
+    [(ours, _)] = draft.propose(
+        mx.array([[root]]),
+        target.embed_tokens,
+        target.lm_head,
+        [MTPRow(state)],
+        [greedy_choose],
+        [None],
+        [5],
+    )
+    assert ours.tolist() == theirs[0].tolist()
