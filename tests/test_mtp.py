@@ -13,18 +13,21 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
 from test_cli import decode_greedy, detokenized, dflash_in_process
 from test_families import BASE, FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 from test_server import serving
 from test_server_batch import answer, burst
 
 from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
 from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
+from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.serve import Worker
@@ -479,3 +482,25 @@ def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
         [5],
     )
     assert ours.tolist() == theirs[0].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(temperature=0.8, top_k=5),
+        dict(temperature=0.8, top_k=5, acceptance="coupled"),
+    ],
+)
+def test_sampled_replies_follow_the_targets_distribution(checkpoints, setting):
+    """Tokens 3 and 4 of 600 sampled replies (drafts accepted, resampled or the target's
+    own) follow the target's exact marginals, under the speculative and the coupled rule."""
+    _, model, tokenizer, draft, _ = checkpoints("qwen3_5")
+    transform = make_logprobs_transform(**{k: v for k, v in setting.items() if k != "acceptance"})
+    expected = exact_marginals(model, PROMPT, transform, 4)
+    mx.random.seed(4)
+    tokens, accepted = sample_runs(model, draft, tokenizer, PROMPT, 4, **setting)
+    counts = np.bincount(accepted, minlength=4)
+    assert counts[0] > 0 and counts[1:].sum() > 0  # both accepted drafts and resamples ran
+    for k in (2, 3):
+        assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
