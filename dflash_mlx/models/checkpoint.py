@@ -110,7 +110,10 @@ def load_draft(
     """
     if str(path_or_repo) == MTP:
         if target is None:
-            raise ValueError("the 'mtp' drafter is the target's own MTP layers: give its target")
+            raise ValueError(
+                "the 'mtp' drafter is the target's own MTP layers: load_draft('mtp', target=M); "
+                "generate, chat and serve take --draft mtp"
+            )
         return load_mtp(target, dtype, mtp_bits)
     if mtp_bits is not None:
         raise ValueError("mtp_bits (--mtp-bits) quantizes the 'mtp' drafter only")
