@@ -163,15 +163,29 @@ CENTRED = (
 )
 
 
-def hugging_face_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """A Qwen3-Next checkpoint as published: one tensor per expert, convolutions (C, 1, K),
-    the norms zero-centred (mlx-lm's sanitize undoes each)."""
+def hugging_face_layout(weights: dict[str, mx.array], fused: bool = False) -> dict:
+    """A Qwen checkpoint as published: one tensor per expert (Qwen3-Next) or the gate and up
+    projections of all experts fused (Qwen3.5, `fused`, its names `model.language_model.*`),
+    convolutions (C, 1, K), the norms zero-centred (mlx-lm's sanitize undoes each)."""
     out = {}
     for name, w in weights.items():
+        if fused:
+            name = name.replace("language_model.model.", "model.language_model.")
+            name = name.replace("language_model.lm_head.", "lm_head.")
         if ".switch_mlp." in name:
             prefix, _, proj = name.rpartition(".switch_mlp.")
-            for e in range(w.shape[0]):
-                out[f"{prefix}.experts.{e}.{proj}"] = w[e]
+            if not fused:
+                for e in range(w.shape[0]):
+                    out[f"{prefix}.experts.{e}.{proj}"] = w[e]
+            elif proj.startswith("down_proj"):
+                out[f"{prefix}.experts.down_proj"] = w
+            elif proj.startswith("gate_proj"):
+                up = weights[
+                    name.replace("gate_proj", "up_proj").replace(
+                        "model.language_model.", "language_model.model."
+                    )
+                ]
+                out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([w, up], axis=-2)
             continue
         if "conv1d.weight" in name:
             w = w.moveaxis(2, 1)
@@ -203,6 +217,8 @@ def save_mtp_target(path, name: str, seed: int = 0):
     weights.update(mtp_tensors(model_type, config, seed + 1, model))
     if model_type == "qwen3_next":  # mlx-lm loads it with mtp.* in the published layout only
         weights = hugging_face_layout(weights)
+    if model_type == "qwen3_5_moe":  # and Qwen3.5 MoE as published, beside Qwen3.5 as converted
+        weights = hugging_face_layout(weights, fused=True)
     if model_type == "glm4_moe":  # the nextn layer's experts one by one, as published
         weights = {
             **{k: v for k, v in weights.items() if ".switch_mlp." not in k},
@@ -452,11 +468,12 @@ def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
     path, model, _, draft, expected = checkpoints(name)
     config = json.loads((path / "config.json").read_text())
     reference = drafters.Model(drafters.ModelConfig.from_dict(config))
-    tensors = {
-        k.removeprefix("mtp."): v
+    published_layout = name == "qwen3_5_moe"  # the test's qwen3_5 is as mlx-lm converts it
+    tensors = {  # its splitter strips the prefix of an MLX checkpoint's, whose norms are whole
+        k if published_layout else k.removeprefix("mtp."): v
         for k, v in mx.load(str(path / "model.safetensors")).items()
         if k.startswith("mtp.")
-    }  # as its splitter reads an MLX checkpoint
+    }
     reference.load_weights(list(reference.sanitize(tensors).items()))
     reference.set_dtype(mx.float32)
     reference.reset(model)
