@@ -28,6 +28,7 @@ from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
 from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
 from dflash_mlx.decode.sampling import make_logprobs_transform
+from dflash_mlx.models import mtp
 from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.serve import Worker
@@ -290,7 +291,8 @@ def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[i
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "glm4_moe"])
 def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, monkeypatch):
     """The cache bookkeeping (waiting features, entries of the target's hidden states only,
-    the steps' entries trimmed) drafts what the layer drafts over the whole sequence."""
+    the steps' entries trimmed, a long prompt run ahead in chunks) drafts what the layer drafts
+    over the whole sequence."""
     _, model, tokenizer, draft, expected = checkpoints(name)
     calls = []
     propose = MTPDraft.propose
@@ -302,6 +304,7 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
         return out
 
     monkeypatch.setattr(MTPDraft, "propose", recorded)
+    monkeypatch.setattr(mtp, "CATCH_UP_STEP", 8)  # the prompt's positions run in chunks
     tokens, _ = generated(model, draft, tokenizer, PROMPT, block_size=4, max_tokens=40)
     assert tokens == expected[:40]
     assert len(calls) > 10

@@ -94,6 +94,7 @@ CENTRED_NORMS = (
 )
 # Where a checkpoint keeps the target's final norm (names without a leading "model.").
 FINAL_NORM_NAMES = ("norm.weight", "language_model.norm.weight", "language_model.model.norm.weight")
+CATCH_UP_STEP = 2048  # positions the layers run at a time before a chain (a prefill's step)
 DEFAULT_BLOCK_SIZE = 4  # the root and 3 drafts; the adaptive policy verifies fewer where they pay
 
 
@@ -273,6 +274,8 @@ class MTPDraft(nn.Module):
         """Run every row's waiting positions through the MTP layers (the token after the last
         is its root, `roots` (rows, 1)), in one forward padded to the longest. Returns each
         row's output at its last position (rows, 1, hidden)."""
+        for row in rows:
+            self._run_ahead(row, embed)
         counts = [row.cache.waiting for row in rows]
         if min(counts) < 1:
             raise ValueError("the MTP drafter has no target features before the root")
@@ -297,6 +300,18 @@ class MTPDraft(nn.Module):
                 layer_cache.trim(longest - n)
             last.append(out[i : i + 1, n - 1 : n])
         return mx.concatenate(last)
+
+    def _run_ahead(self, row: MTPRow, embed: Callable[[mx.array], mx.array]) -> None:
+        """Run a row's waiting positions but the last `CATCH_UP_STEP` through the layers in
+        chunks of that many, as a prompt is prefilled: a long prompt's first chain would
+        otherwise attend over all of it at once."""
+        cache = row.cache
+        while cache.waiting > CATCH_UP_STEP:
+            start = cache.layers[0].offset
+            tokens = mx.array(row.tokens[start + 1 : start + 1 + CATCH_UP_STEP])[None]
+            self.step(tokens, cache.features[:, :CATCH_UP_STEP], embed, [cache.layers])
+            cache.features = cache.features[:, CATCH_UP_STEP:]
+            mx.eval(cache.state)
 
     def chain(
         self,
