@@ -24,7 +24,13 @@ from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_run
 from test_server import serving
 from test_server_batch import answer, burst
 
-from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
+from dflash_mlx import (
+    GenerationSettings,
+    load,
+    load_draft,
+    make_prompt_cache,
+    stream_generate,
+)
 from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
 from dflash_mlx.decode.sampling import make_logprobs_transform
@@ -524,3 +530,19 @@ def test_sampled_replies_follow_the_targets_distribution(checkpoints, setting):
     assert counts[0] > 0 and counts[1:].sum() > 0  # both accepted drafts and resamples ran
     for k in (2, 3):
         assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+def test_a_prompt_cache_carries_the_mtp_layers_across_turns(checkpoints, name):
+    """A turn that extends the cached one goes on from the MTP layer's entries; one that
+    parts from it inside them starts afresh (an entry holds the token after its position);
+    either reply is mlx-lm's."""
+    _, model, tokenizer, draft, _ = checkpoints(name)
+    cache = make_prompt_cache(model, draft)
+    first, _ = generated(model, draft, tokenizer, PROMPT, max_tokens=20, prompt_cache=cache)
+    extended = PROMPT + first + [5, 6, 7]
+    parted = extended[: len(PROMPT) + 10] + [9]
+    for turn in (extended, parted):
+        tokens, _ = generated(model, draft, tokenizer, turn, max_tokens=20, prompt_cache=cache)
+        assert tokens == reference_greedy(model, turn, 20, set())
+        assert cache.draft[0].offset == cache.target[0].offset == len(cache.tokens)

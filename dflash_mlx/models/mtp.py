@@ -1,25 +1,26 @@
 """The multi-token-prediction (MTP) layers a checkpoint ships beside its target, as a drafter.
 
-Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors: DeepSeek-V3's recipe of
-one more decoder layer of the target's own kind. At position p it reads the target's final
-hidden state h_p (after the target's last norm) and the embedding of the token after it,
-x_{p+1}, each RMS-normed, concatenated and projected (`fc`), through the layer (full
-attention over its own KV cache of every position) and a norm; the target's LM head on the
-result predicts x_{p+2}. A chain runs it k times: each step reads the last step's output as
-its hidden state and the token that step drafted.
+Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, GLM-4.5 to 4.7 a nextn
+layer after their last (`LAYOUTS`): DeepSeek-V3's recipe of one more decoder layer of the
+target's own kind. At position p it reads the target's final hidden state h_p (after the
+target's last norm) and the embedding of the token after it, x_{p+1}, each RMS-normed,
+concatenated and projected (`fc`), through the layer (full attention over its own KV cache of
+every position) and a norm; the target's LM head on the result predicts x_{p+2}. A chain runs
+it k times: each step reads the last step's output as its hidden state and the token that step
+drafted. A tree takes each step's top-k along the greedy chain.
 
 `MTPDraft` drafts through the same proposer interface as the DFlash drafter (`propose`,
-`append_context`, `make_cache`), so the cycle, the samplers and shared cycles take it as they
-are. It taps the target's last layer and applies the target's final norm itself (a copy of
-that norm's weight, read with the MTP tensors). The features of the positions each cycle kept
-wait in the reply's `MTPCache` until the next chain, whose root is the token after the last
-of them; the tokens after the others are the reply's committed tokens (`MTPRow`). Each chain
-first runs the MTP layer over the waiting positions, then k - 1 steps of its own, whose
-entries leave the cache again: committed positions are always entries of the target's
+`trees`, `append_context`, `make_cache`), so the cycle, the samplers and shared cycles take
+it as they are. It taps the target's last layer and applies the target's final norm itself
+(a copy of that norm's weight, read with the MTP tensors). The features of the positions each
+cycle kept wait in the reply's `MTPCache` until the next chain, whose root is the token after
+the last of them; the tokens after the others are the reply's committed tokens (`MTPRow`).
+Each chain first runs the MTP layer over the waiting positions, then k - 1 steps of its own,
+whose entries leave the cache again: committed positions are always entries of the target's
 hidden states, never of the layer's own guesses.
 
-mlx-lm's `sanitize` drops the `mtp.*` tensors when it loads the target, so `load_mtp` reads
-them from the target's own safetensors.
+mlx-lm's `sanitize` drops these tensors when it loads the target, so `load_mtp` reads them
+from the target's own safetensors.
 """
 
 from __future__ import annotations
