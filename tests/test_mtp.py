@@ -416,6 +416,9 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
         assert last.startswith("dflash-mlx generate: error: ") and why in last, out.stderr
     out = dflash_in_process(f"generate --model {llama} --draft {llama} --mtp-bits 4 -p x")
     assert out.returncode == 1 and "quantizes the 'mtp' drafter only" in out.stderr
+    cached = f"generate --model {path} --draft mtp --prompt-cache-file {tmp_path / 'c'} -p x"
+    out = dflash_in_process(cached)
+    assert out.returncode == 1 and "do not keep the MTP layers' caches" in out.stderr
 
     answers = {
         path: "yes: 1 MTP layer(s), unquantized (qwen3_next; --draft mtp)",
