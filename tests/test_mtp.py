@@ -62,6 +62,7 @@ MTP_FAMILIES = {
     "qwen3_next": FAMILIES["qwen3_next"],
     "glm4_moe": (glm4_moe, GLM4_MOE),
 }
+NEXTN_FAMILIES = ("glm4_moe",)
 NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm"}
 MODULES = {"qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next}
 
@@ -93,7 +94,7 @@ def mtp_tensors(model_type: str, config: dict, seed: int, model) -> dict[str, mx
 def published(model_type: str, name: str, num_layers: int) -> str:
     """A tensor's name in the published checkpoints: Qwen's `mtp.*`, or the nextn layer
     after the target's last (GLM, DeepSeek-V3)."""
-    if model_type != "glm4_moe":
+    if model_type not in NEXTN_FAMILIES:
         return f"mtp.{name}"
     head, _, rest = name.partition(".")
     if head == "layers":
@@ -116,7 +117,7 @@ def mtp_forward(draft, target, tokens: mx.array, hidden: mx.array) -> mx.array:
     h = draft.fc(h)
     for layer in draft.layers:
         h = layer(h, "causal" if h.shape[1] > 1 else None, None)
-    return draft.norm(h)
+    return h
 
 
 def train(draft, model, steps: int = 60) -> None:
@@ -132,7 +133,7 @@ def train(draft, model, steps: int = 60) -> None:
     tokens, labels = batch[:, 1:-1], batch[:, 2:]
 
     def loss(module):
-        logits = target.lm_head(mtp_forward(module, target, tokens, hidden))
+        logits = target.lm_head(module.norm(mtp_forward(module, target, tokens, hidden)))
         return nn.losses.cross_entropy(logits, labels).mean()
 
     step = nn.value_and_grad(draft, loss)
@@ -278,7 +279,7 @@ def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
     assert len(set(accepted)) > 1  # drafts accepted and rejected: rollbacks of several depths
 
 
-def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[int]:
+def chain_from_scratch(model, draft, name: str, sequence: list[int], length: int) -> list[int]:
     """The greedy chain after `sequence` (its last token the root), the MTP layer run over the
     whole sequence without a cache at every step: the target's final hidden states from
     mlx-lm's own backbone (after its norm), each with the embedding of the token after it."""
@@ -287,9 +288,11 @@ def chain_from_scratch(model, draft, sequence: list[int], length: int) -> list[i
     tokens = mx.array(sequence[1:])[None]
     chain = []
     for _ in range(length):
-        out = mtp_forward(draft, target, tokens, hidden)
-        chain.append(mx.argmax(target.lm_head(out[:, -1]), axis=-1).item())
-        hidden = mx.concatenate([hidden, out[:, -1:]], axis=1)
+        out = mtp_forward(draft, target, tokens, hidden)[:, -1:]
+        normed = draft.norm(out)
+        chain.append(mx.argmax(target.lm_head(normed[:, -1]), axis=-1).item())
+        carried = out if name in NEXTN_FAMILIES else normed  # as vLLM runs each family's
+        hidden = mx.concatenate([hidden, carried], axis=1)
         tokens = mx.concatenate([tokens, mx.array([[chain[-1]]])], axis=1)
     return chain
 
@@ -315,7 +318,7 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     assert tokens == expected[:40]
     assert len(calls) > 10
     for sequence, chain in calls:
-        assert chain == chain_from_scratch(model, draft, sequence, len(chain)), len(sequence)
+        assert chain == chain_from_scratch(model, draft, name, sequence, len(chain)), len(sequence)
 
 
 def greedy_choose(logits, context=None):

@@ -225,6 +225,12 @@ class MTPDraft(nn.Module):
         self.layers = [layer(args, index) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=eps)
 
+    @property
+    def carries_unnormed(self) -> bool:
+        """Whether a chain's next step reads the last step's output before the final norm (a
+        nextn layer, as vLLM's DeepSeek-V3 and GLM-4.5 MTP run it) or after (Qwen's)."""
+        return LAYOUTS[self.config.model_type].nextn
+
     def make_cache(self) -> list[MTPCache]:
         return [MTPCache(len(self.layers))]
 
@@ -245,8 +251,9 @@ class MTPDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         caches: list[list[KVCache]],
     ) -> mx.array:
-        """The MTP layers' output (rows, n, hidden) at `tokens` (rows, n) after the hidden
-        states `hidden` (rows, n, hidden), row i appended to its caches `caches[i]`."""
+        """The MTP layers' output (rows, n, hidden; before their final norm) at `tokens`
+        (rows, n) after the hidden states `hidden` (rows, n, hidden), row i appended to its
+        caches `caches[i]`."""
         h = mx.concatenate(
             [self.pre_fc_norm_embedding(embed(tokens)), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
@@ -254,11 +261,11 @@ class MTPDraft(nn.Module):
         if len(caches) == 1:
             for layer, cache in zip(self.layers, caches[0]):
                 h = layer(h, create_attention_mask(h, cache), cache)
-            return self.norm(h)
+            return h
         with backends.building(self._row_swaps(tokens.shape[1])):
             for layer, cache in zip(self.layers, row_caches(caches)):
                 h = layer(h, create_attention_mask(h, cache), cache)
-        return self.norm(h)
+        return h
 
     def _row_swaps(self, positions: int) -> list:
         """The swaps of a forward of several rows, each over its own caches (`rows.py`),
@@ -274,7 +281,7 @@ class MTPDraft(nn.Module):
     ) -> mx.array:
         """Run every row's waiting positions through the MTP layers (the token after the last
         is its root, `roots` (rows, 1)), in one forward padded to the longest. Returns each
-        row's output at its last position (rows, 1, hidden)."""
+        row's output at its last position (rows, 1, hidden; before the final norm)."""
         for row in rows:
             self._run_ahead(row, embed)
         counts = [row.cache.waiting for row in rows]
@@ -327,12 +334,13 @@ class MTPDraft(nn.Module):
         output, every row in one forward per step; `pick(step, logits)` turns each step's
         logits (rows, 1, vocab) into the tokens (rows, 1) the next step reads. The steps'
         entries leave the caches again, and the last position waits again."""
-        hidden = self.catch_up(roots, embed, rows)
-        tokens = roots
+        out = self.catch_up(roots, embed, rows)
         for step in range(steps):
-            if step:
-                hidden = self.step(tokens, hidden, embed, [row.cache.layers for row in rows])
-            tokens = pick(step, lm_head(hidden))
+            normed = self.norm(out)
+            tokens = pick(step, lm_head(normed))
+            if step + 1 < steps:
+                carried = out if self.carries_unnormed else normed
+                out = self.step(tokens, carried, embed, [row.cache.layers for row in rows])
         for row in rows:
             for layer_cache in row.cache.layers:
                 layer_cache.trim(steps)
