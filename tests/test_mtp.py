@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
-from mlx_lm.models import glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
+from mlx_lm.models.base import create_attention_mask
 from test_cli import decode_greedy, detokenized, dflash_in_process
-from test_families import BASE, FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_families import BASE, DEEPSEEK_V3, FAMILIES, PROMPT, build, first_difference, prompt_of
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 from test_server import serving
 from test_server_batch import answer, burst
@@ -61,8 +62,10 @@ MTP_FAMILIES = {
     "qwen3_5_moe": FAMILIES["qwen3_5_moe"],
     "qwen3_next": FAMILIES["qwen3_next"],
     "glm4_moe": (glm4_moe, GLM4_MOE),
+    # mlx-lm drops DeepSeek-V3's nextn layer by its published index, 61: as many dense layers
+    "deepseek_v3": (deepseek_v3, dict(DEEPSEEK_V3, num_hidden_layers=61, first_k_dense_replace=61)),
 }
-NEXTN_FAMILIES = ("glm4_moe",)
+NEXTN_FAMILIES = ("glm4_moe", "deepseek_v3")
 NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm"}
 MODULES = {"qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next}
 
@@ -116,7 +119,7 @@ def mtp_forward(draft, target, tokens: mx.array, hidden: mx.array) -> mx.array:
     )
     h = draft.fc(h)
     for layer in draft.layers:
-        h = layer(h, "causal" if h.shape[1] > 1 else None, None)
+        h = layer(h, create_attention_mask(h, None, return_array=True), None)
     return h
 
 
@@ -203,6 +206,17 @@ def hugging_face_layout(weights: dict[str, mx.array], fused: bool = False) -> di
     return out
 
 
+def published_mla(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+    """DeepSeek-V3's `kv_b_proj` of the nextn layer from mlx-lm's split of it (its sanitize
+    splits the published one into `embed_q` and `unembed_out`)."""
+    prefix = f"model.layers.{config['num_hidden_layers']}.self_attn"
+    embed_q = weights.pop(f"{prefix}.embed_q.weight")  # (heads, rank, nope)
+    unembed = weights.pop(f"{prefix}.unembed_out.weight")  # (heads, v, rank)
+    joined = mx.concatenate([embed_q.swapaxes(-1, -2), unembed], axis=1)
+    weights[f"{prefix}.kv_b_proj.weight"] = joined.reshape(-1, joined.shape[-1])
+    return weights
+
+
 def save_mtp_target(path, name: str, seed: int = 0):
     """A tiny random target of `MTP_FAMILIES[name]` with a tokenizer and `mtp.*` tensors,
     saved as a checkpoint mlx-lm loads (its own layout: mlx-lm's sanitize drops `mtp.*`)."""
@@ -213,7 +227,8 @@ def save_mtp_target(path, name: str, seed: int = 0):
     model = build(model_type, seed=seed, fields=fields, families={model_type: (module, fields)})
     config = {"model_type": model_type, **json.loads(json.dumps(fields))}
     text = config.get("text_config") or config
-    text["num_nextn_predict_layers" if model_type == "glm4_moe" else "mtp_num_hidden_layers"] = 1
+    nextn = model_type in NEXTN_FAMILIES
+    text["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = 1
     if text is not config:  # as Qwen3.5's published configs name it
         text["model_type"] = f"{model_type}_text"
     weights = dict(tree_flatten(model.parameters()))
@@ -227,7 +242,9 @@ def save_mtp_target(path, name: str, seed: int = 0):
         weights = hugging_face_layout(weights)
     if model_type == "qwen3_5_moe":  # and Qwen3.5 MoE as published, beside Qwen3.5 as converted
         weights = hugging_face_layout(weights, fused=True)
-    if model_type == "glm4_moe":  # the nextn layer's experts one by one, as published
+    if model_type == "deepseek_v3":  # the nextn layer's MLA projection as published
+        weights = published_mla(weights, config)
+    if model_type in NEXTN_FAMILIES:  # the nextn layer's experts one by one, as published
         weights = {
             **{k: v for k, v in weights.items() if ".switch_mlp." not in k},
             **hugging_face_layout({k: v for k, v in weights.items() if ".switch_mlp." in k}),
@@ -297,7 +314,7 @@ def chain_from_scratch(model, draft, name: str, sequence: list[int], length: int
     return chain
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "glm4_moe", "deepseek_v3"])
 def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, monkeypatch):
     """The cache bookkeeping (waiting features, entries of the target's hidden states only,
     the steps' entries trimmed, a long prompt run ahead in chunks) drafts what the layer drafts

@@ -1,13 +1,13 @@
 """The multi-token-prediction (MTP) layers a checkpoint ships beside its target, as a drafter.
 
-Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, GLM-4.5 to 4.7 a nextn
-layer after their last (`LAYOUTS`): DeepSeek-V3's recipe of one more decoder layer of the
-target's own kind. At position p it reads the target's final hidden state h_p (after the
-target's last norm) and the embedding of the token after it, x_{p+1}, each RMS-normed,
-concatenated and projected (`fc`), through the layer (full attention over its own KV cache of
-every position) and a norm; the target's LM head on the result predicts x_{p+2}. A chain runs
-it k times: each step reads the last step's output as its hidden state and the token that step
-drafted. A tree takes each step's top-k along the greedy chain.
+Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, DeepSeek-V3 and GLM-4.5
+to 4.7 a nextn layer after their last (`LAYOUTS`): DeepSeek-V3's recipe of one more decoder
+layer of the target's own kind. At position p it reads the target's final hidden state h_p
+(after the target's last norm) and the embedding of the token after it, x_{p+1}, each
+RMS-normed, concatenated and projected (`fc`), through the layer (full attention over its own
+KV cache of every position) and a norm; the target's LM head on the result predicts x_{p+2}.
+A chain runs it k times: each step reads the last step's output as its hidden state and the
+token that step drafted. A tree takes each step's top-k along the greedy chain.
 
 `MTPDraft` drafts through the same proposer interface as the DFlash drafter (`propose`,
 `trees`, `append_context`, `make_cache`), so the cycle, the samplers and shared cycles take
@@ -29,6 +29,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -74,6 +75,9 @@ LAYOUTS = {
         "qwen3_next", "Qwen3NextDecoderLayer", "ModelArgs", "mtp_num_hidden_layers"
     ),
     "glm4_moe": Layout("glm4_moe", "DecoderLayer", "ModelArgs", "num_nextn_predict_layers", True),
+    "deepseek_v3": Layout(
+        "deepseek_v3", "DeepseekV3DecoderLayer", "ModelArgs", "num_nextn_predict_layers", True
+    ),
 }
 PREFIX = "mtp."
 NEXTN_NAMES = {
@@ -260,11 +264,11 @@ class MTPDraft(nn.Module):
         h = self.fc(h)
         if len(caches) == 1:
             for layer, cache in zip(self.layers, caches[0]):
-                h = layer(h, create_attention_mask(h, cache), cache)
+                h = layer(h, create_attention_mask(h, cache, return_array=True), cache)
             return h
         with backends.building(self._row_swaps(tokens.shape[1])):
             for layer, cache in zip(self.layers, row_caches(caches)):
-                h = layer(h, create_attention_mask(h, cache), cache)
+                h = layer(h, create_attention_mask(h, cache, return_array=True), cache)
         return h
 
     def _row_swaps(self, positions: int) -> list:
@@ -485,6 +489,16 @@ def sanitize(tensors: dict[str, mx.array], hugging_face: bool) -> dict:
     return out
 
 
+def family_sanitized(layout: Layout, args: Any, tensors: dict[str, mx.array]) -> dict:
+    """A nextn layer's tensors through its family's own mlx-lm `sanitize`, as one of the
+    target's layers: experts stacked, and DeepSeek's fp8 and int4 tensors read and its MLA
+    projection split as mlx-lm does for the target (the sanitize reads only `args`)."""
+    family = importlib.import_module(f"mlx_lm.models.{layout.module}").Model
+    named = {f"model.{k}" if k.startswith("layers.") else k: v for k, v in tensors.items()}
+    out = family.sanitize(SimpleNamespace(args=args), named)
+    return {k.removeprefix("model."): v for k, v in out.items()}
+
+
 def mtp_args(model_type: str, text_config: dict) -> Any:
     """mlx-lm's args of the target's layers, from its (text) config."""
     layout = LAYOUTS[model_type]
@@ -553,6 +567,8 @@ def load_mtp(
         quantization=config.get("quantization") if any(".scales" in k for k in tensors) else None,
     )
     model = MTPDraft(mtp, args)
+    if LAYOUTS[model_type].nextn:
+        tensors = family_sanitized(LAYOUTS[model_type], args, tensors)
     weights = sanitize(tensors, hugging_face)
     weights["target_norm.weight"] = final_norm + 1.0 if hugging_face else final_norm
     load_checked(model, weights, mtp.quantization, f"the MTP tensors in {path}")
