@@ -569,3 +569,42 @@ def test_a_prompt_cache_carries_the_mtp_layers_across_turns(checkpoints, name):
         tokens, _ = generated(model, draft, tokenizer, turn, max_tokens=20, prompt_cache=cache)
         assert tokens == reference_greedy(model, turn, 20, set())
         assert cache.draft[0].offset == cache.target[0].offset == len(cache.tokens)
+
+
+def test_quantized_mtp_layers_load_and_stay_lossless(checkpoints, tmp_path):
+    """`--mtp-bits` quantizes the MTP layers; a checkpoint that stores them quantized (as
+    mlx-lm's and mlx-vlm's conversions quantize a whole checkpoint) loads them so."""
+    path, _, tokenizer, _, expected = checkpoints("qwen3_5")
+    model, _ = load(path)  # fresh copies: they are quantized below
+    draft = load_draft("mtp", target=path)
+    quantized = load_draft("mtp", target=path, mtp_bits=8)
+    assert quantized.config.quantization == {"group_size": 64, "bits": 8}
+    assert any(isinstance(m, nn.QuantizedLinear) for m in quantized.modules())
+    tokens, _ = generated(model, quantized, tokenizer, PROMPT, block_size=4, max_tokens=TOKENS)
+    assert tokens == expected
+
+    stored = tmp_path / "quantized"
+    shutil.copytree(path, stored)
+    q = {"group_size": 32, "bits": 8}
+
+    def quantizable(name, module):
+        return hasattr(module, "to_quantized") and module.weight.shape[-1] % 32 == 0
+
+    nn.quantize(model, **q, class_predicate=quantizable)
+    nn.quantize(draft, **q, class_predicate=quantizable)
+    weights = dict(tree_flatten(model.parameters()))
+    weights.update(
+        (f"mtp.{k}", v)
+        for k, v in tree_flatten(draft.parameters())
+        if not k.startswith("target_norm")
+    )
+    mx.save_safetensors(str(stored / "model.safetensors"), weights)
+    config = json.loads((stored / "config.json").read_text())
+    (stored / "config.json").write_text(json.dumps({**config, "quantization": q}))
+    model, _ = load(stored)
+    kept = load_draft("mtp", target=stored)
+    assert kept.config.quantization == q
+    tokens, _ = generated(model, kept, tokenizer, PROMPT, block_size=4, max_tokens=TOKENS)
+    assert tokens == reference_greedy(model, PROMPT, TOKENS, set())
+    out = dflash_in_process(f"info --model {stored}")
+    assert "yes: 1 MTP layer(s), quantized (qwen3_5; --draft mtp)" in out.stdout
