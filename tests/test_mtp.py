@@ -608,3 +608,28 @@ def test_quantized_mtp_layers_load_and_stay_lossless(checkpoints, tmp_path):
     assert tokens == reference_greedy(model, PROMPT, TOKENS, set())
     out = dflash_in_process(f"info --model {stored}")
     assert "yes: 1 MTP layer(s), quantized (qwen3_5; --draft mtp)" in out.stdout
+
+
+def test_a_failed_choice_leaves_every_rows_cache_as_it_was(checkpoints):
+    """A row whose choice fails (a logits processor raising) leaves the MTP caches where they
+    stood, so the cycle's rows can be put back and run again alone."""
+    _, model, _, draft, expected = checkpoints("qwen3_5")
+    target = TargetAdapter(model)
+    sequence = PROMPT + expected
+    state = SimpleNamespace(draft=draft.make_cache(), tokens=sequence[:30])
+    rows = [MTPRow(state)]
+    taps = draft.config.target_layer_ids
+    features = target.forward(mx.array(state.tokens)[None], None, taps=taps).features
+    draft.append_context(features, rows)
+    before = copy.deepcopy(state)
+
+    def failing(logits, context=None):
+        raise ValueError("a processor failed")
+
+    args = (mx.array([[sequence[30]]]), target.embed_tokens, target.lm_head)
+    with pytest.raises(ValueError, match="a processor failed"):
+        draft.propose(*args, rows, [failing], [None], [4])
+    assert state.draft[0].offset == 30 and state.draft[0].layers[0].offset == 0
+    again = draft.propose(*args, rows, [greedy_choose], [None], [4])[0][0]
+    fresh = draft.propose(*args, [MTPRow(before)], [greedy_choose], [None], [4])[0][0]
+    assert again.tolist() == fresh.tolist()

@@ -286,8 +286,6 @@ class MTPDraft(nn.Module):
         """Run every row's waiting positions through the MTP layers (the token after the last
         is its root, `roots` (rows, 1)), in one forward padded to the longest. Returns each
         row's output at its last position (rows, 1, hidden; before the final norm)."""
-        for row in rows:
-            self._run_ahead(row, embed)
         counts = [row.cache.waiting for row in rows]
         if min(counts) < 1:
             raise ValueError("the MTP drafter has no target features before the root")
@@ -337,14 +335,24 @@ class MTPDraft(nn.Module):
         """The MTP layers over the waiting positions, then `steps` - 1 steps on their own
         output, every row in one forward per step; `pick(step, logits)` turns each step's
         logits (rows, 1, vocab) into the tokens (rows, 1) the next step reads. The steps'
-        entries leave the caches again, and the last position waits again."""
-        out = self.catch_up(roots, embed, rows)
-        for step in range(steps):
-            normed = self.norm(out)
-            tokens = pick(step, lm_head(normed))
-            if step + 1 < steps:
-                carried = out if self.carries_unnormed else normed
-                out = self.step(tokens, carried, embed, [row.cache.layers for row in rows])
+        entries leave the caches again, and the last position waits again; where a pick
+        fails, every row's cache is as it was."""
+        for row in rows:
+            self._run_ahead(row, embed)
+        starts = [row.cache.layers[0].offset for row in rows]
+        try:
+            out = self.catch_up(roots, embed, rows)
+            for step in range(steps):
+                normed = self.norm(out)
+                tokens = pick(step, lm_head(normed))
+                if step + 1 < steps:
+                    carried = out if self.carries_unnormed else normed
+                    out = self.step(tokens, carried, embed, [row.cache.layers for row in rows])
+        except Exception:  # a row's choice failed: every row's cache as it was
+            for row, start in zip(rows, starts):
+                for layer_cache in row.cache.layers:
+                    layer_cache.trim(layer_cache.offset - start)
+            raise
         for row in rows:
             for layer_cache in row.cache.layers:
                 layer_cache.trim(steps)
