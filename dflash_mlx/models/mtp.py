@@ -209,7 +209,8 @@ class MTPRow:
 
 
 class MTPDraft(nn.Module):
-    """The target's MTP layers (`mtp.*`) and a copy of its final norm (`target_norm`)."""
+    """The target's MTP layers (named as Qwen's `mtp.*`) and a copy of its final norm
+    (`target_norm`), drafting through the target's embedding and LM head."""
 
     def __init__(self, config: MTPConfig, args: Any):
         super().__init__()
