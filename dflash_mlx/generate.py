@@ -29,6 +29,7 @@ from .decode.proposers import DrafterProposer, LookupProposer, Proposer
 from .decode.scheduler import Batch, replies
 from .decode.settings import GenerationSettings
 from .models.draft import DFlashDraft
+from .models.mtp import MTPDraft, MTPRow
 from .models.target import TargetAdapter
 from .response import RULE, Drafting, GenerationResponse, ReplyStats
 
@@ -110,8 +111,9 @@ def stream_generate(
         keep_learned(model, draft, plan.policy)
     verifier = settings.verifier.for_reply()
     proposer: Proposer = Proposer()
-    if draft is not None:
-        proposer = DrafterProposer(draft, target, prompt_cache.draft, verifier.propose)
+    if draft is not None:  # the MTP layers read the reply's tokens beside their caches
+        rows = MTPRow(prompt_cache) if isinstance(draft, MTPDraft) else prompt_cache.draft
+        proposer = DrafterProposer(draft, target, rows, verifier.propose)
     if plan.lookup:
         proposer = LookupProposer(prompt_ids, proposer)
     state = ReplyState(target, prompt_cache, proposer, verifier)

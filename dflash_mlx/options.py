@@ -24,7 +24,7 @@ from .decode.prompt_cache import CACHE_SETTINGS, PromptCache
 from .decode.proposers import check_compatible
 from .decode.sampling import RULES
 from .decode.settings import PREFILL_STEP, GenerationSettings
-from .models.checkpoint import load_draft
+from .models.checkpoint import MTP, load_draft
 from .models.distributed import DEFAULT_RANK_TIMEOUT, is_rank0, shared_seed, world_group
 from .models.draft import KERNEL_BACKENDS, DFlashDraft
 from .models.loading import DTYPES, KEEP_CHECKPOINT
@@ -84,6 +84,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
     )
     add_draft_window_argument(parser)
+    parser.add_argument(
+        "--mtp-bits",
+        type=int,
+        choices=[2, 3, 4, 5, 6, 8],
+        help="with --draft mtp: quantize the MTP layers to this many bits (default: as the "
+        "checkpoint stores them; quantized MTP layers may be accepted much less)",
+    )
     parser.add_argument(
         "--max-tokens", "-m", type=int, default=max_tokens, help="most tokens to generate"
     )
@@ -172,7 +179,7 @@ def add_draft_argument(parser: argparse.ArgumentParser) -> None:
         "--draft",
         dest="draft",
         metavar="DRAFT_MODEL",
-        help="DFlash drafter: directory or hub id",
+        help="DFlash drafter: directory or hub id; 'mtp': the target's own MTP layers",
     )
 
 
@@ -331,6 +338,8 @@ def load_models(
         raise ValueError("--pipeline splits the target over the ranks of mlx.launch; run it there")
     groups = {"pipeline_group" if args.pipeline else "tensor_group": group}
     drafter = "" if args.no_draft else f" and the drafter {args.draft}"
+    if args.draft == MTP and not args.no_draft:
+        drafter = " and its MTP layers"
     say(args, f"loading {args.model}{drafter}...")
     template = {"chat_template": args.chat_template_source} if args.chat_template_source else {}
     model, tokenizer = load(
@@ -349,7 +358,13 @@ def load_models(
     draft = (
         None
         if args.no_draft
-        else load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
+        else load_draft(
+            args.draft,
+            kernels=args.kernels,
+            context_window=args.draft_window,
+            target=args.model,
+            mtp_bits=args.mtp_bits,
+        )
     )
     if draft is not None:  # a drafter made for another model fails now, not at a request
         check_compatible(TargetAdapter(model), draft)

@@ -41,8 +41,14 @@ def device_description() -> str:
 
 def info(args: argparse.Namespace) -> None:
     from ..models.checkpoint import describe_draft
+    from ..models.mtp import describe_mtp
 
-    rows = describe_draft(args.draft) if getattr(args, "draft", None) else system_rows()
+    if args.model:
+        rows = [("model", args.model), ("MTP layers", describe_mtp(args.model))]
+    elif args.draft:
+        rows = describe_draft(args.draft)
+    else:
+        rows = system_rows()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -227,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="show MLX, BLAS, Metal and cache information, or a drafter's")
     p.add_argument("draft", nargs="?", help="describe this drafter (directory or hub id) instead")
+    p.add_argument("--model", help="say whether this target has MTP layers (--draft mtp)")
     p.set_defaults(func=info)
     case_insensitive_choices(parser)
     return parser

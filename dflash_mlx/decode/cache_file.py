@@ -41,6 +41,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models.draft import DFlashDraft
+from ..models.mtp import MTPDraft
 from ..models.rollback import QuantizingKVCache, cache_parts
 from ..models.target import TargetAdapter
 from ..staging import remove_stale, staging_path
@@ -129,6 +130,7 @@ def save_prompt_cache(
 ) -> None:
     """Write `cache` (made with `model`, `draft` and the cache `options` given to
     `make_prompt_cache`, the defaults for those left out) to exactly `path`, atomically."""
+    _check_drafter(draft)
     arrays: dict[str, mx.array] = {}
     layout = [
         {"class": type(c).__name__, "fields": _fields(c, key, arrays)} for key, c in _keyed(cache)
@@ -162,6 +164,7 @@ def load_prompt_cache(
     one-line `PromptCacheError` if it is not one, was made for another target or drafter,
     holds anything their caches would not, or was made with other options than `asked`
     sets (those left at their defaults are the file's)."""
+    _check_drafter(draft)
     _check_file(path)
     try:
         arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
@@ -185,6 +188,16 @@ def load_prompt_cache(
         raise _corrupt(path, f"an unknown tensor {unknown[0]!r}")
     cache.tokens = tokens
     return cache
+
+
+def _check_drafter(draft: nn.Module | None) -> None:
+    """Refuse the MTP layers in one line: their caches wait on the reply's tokens, which a
+    file does not lay out for them yet."""
+    if isinstance(draft, MTPDraft):
+        raise ValueError(
+            "prompt cache files do not keep the MTP layers' caches: leave out "
+            "--prompt-cache-file with --draft mtp"
+        )
 
 
 def _corrupt(path: str | Path, problem: str) -> PromptCacheError:

@@ -22,7 +22,15 @@ from mlx.utils import tree_flatten
 from ..staging import remove_stale, staging_path
 from .draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from .dspark import DSparkConfig, DSparkDraft, dspark_config, is_dspark, own_weights
-from .loading import cast_model, default_dtype, read_config, resolve_path
+from .loading import (
+    cast_model,
+    default_dtype,
+    load_checked,
+    read_config,
+    resolve_path,
+    safetensors,
+)
+from .mtp import MTPDraft, load_mtp
 from .target import TargetAdapter
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,16 +42,9 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     A tensor in two files is an error: one of them is stale (an older conversion's
     file left beside a newer one), and which would win depends on file names alone.
     """
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
     weights: dict[str, mx.array] = {}
     origin: dict[str, Path] = {}
-    for file in files:
-        try:
-            tensors = mx.load(str(file))
-        except Exception as exc:
-            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+    for file, tensors in safetensors(path):
         for name, w in tensors.items():
             key = name.removeprefix("model.")
             if key.endswith(IGNORED_SUFFIXES):
@@ -56,6 +57,8 @@ def read_weights(path: Path) -> dict[str, mx.array]:
             weights[key], origin[key] = w, file
     return weights
 
+
+MTP = "mtp"  # as a drafter's name: the target's own MTP layers
 
 # Fields of which a DFlash drafter's config.json has at least one and a model's has none.
 DRAFTER_FIELDS = ("dflash_config", "target_layer_ids", "num_target_layers", "mask_token_id")
@@ -90,9 +93,13 @@ def load_draft(
     kernels: str = "auto",
     context_window: int | None = None,
     full_vocab: bool = False,
-) -> DFlashDraft:
+    target: str | Path | None = None,
+    mtp_bits: int | None = None,
+) -> DFlashDraft | MTPDraft:
     """Load a DFlash drafter from a local directory or a hub id, in either layout, or a
-    DSpark drafter in any of its packagings (`dspark.py`).
+    DSpark drafter in any of its packagings (`dspark.py`); `"mtp"` loads the MTP layers of
+    the checkpoint `target` (a directory or hub id) instead (`mtp.py`), quantized to
+    `mtp_bits` if given.
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU.
     `kernels` picks the block-attention backend ("auto", "metal" or "reference").
@@ -101,6 +108,15 @@ def load_draft(
     it was trained on, past which its drafts get worse and dearer), 0 the whole context.
     `full_vocab` ignores the checkpoint's draft vocabulary and drafts over all tokens.
     """
+    if str(path_or_repo) == MTP:
+        if target is None:
+            raise ValueError(
+                "the 'mtp' drafter is the target's own MTP layers: load_draft('mtp', target=M); "
+                "generate, chat and serve take --draft mtp"
+            )
+        return load_mtp(target, dtype, mtp_bits)
+    if mtp_bits is not None:
+        raise ValueError("mtp_bits (--mtp-bits) quantizes the 'mtp' drafter only")
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])
     raw = read_config(path)
     config = draft_config(raw, path_or_repo)
@@ -112,30 +128,7 @@ def load_draft(
     if context_window is None:
         context_window = (raw.get("dflash_config") or {}).get("context_window")
     model = new_draft(config, kernels, context_window or None)
-    if config.quantization:
-        q = config.quantization
-        nn.quantize(
-            model,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            class_predicate=lambda name, m: f"{name}.scales" in weights,
-        )
-    expected = {name for name, _ in tree_flatten(model.parameters())}
-    missing = sorted(expected - weights.keys())
-    unexpected = sorted(weights.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"drafter weights in {path} do not match its config: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, param in tree_flatten(model.parameters()):
-        if param.shape != weights[name].shape:
-            raise ValueError(
-                f"drafter weight {name} has shape {weights[name].shape}, "
-                f"config implies {param.shape}"
-            )
-    model.load_weights(list(weights.items()))
+    load_checked(model, weights, config.quantization, f"drafter weights in {path}")
     cast_model(model, dtype if dtype is not None else default_dtype())
     mx.eval(model.parameters())
     model.eval()

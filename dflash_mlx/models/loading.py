@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,6 +71,20 @@ def hub_error(exc: Exception, what: str, name: str) -> Exception:
     return FileNotFoundError(
         f"could not fetch {what} '{name}' from the Hugging Face hub ({detail})"
     )
+
+
+def safetensors(path: Path) -> Iterator[tuple[Path, dict[str, mx.array]]]:
+    """Each *.safetensors file in `path` and its tensors (read lazily: only those used are
+    loaded), or a one-line error."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    for file in files:
+        try:
+            tensors = mx.load(str(file))
+        except Exception as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+        yield file, tensors
 
 
 def read_config(path: Path) -> dict:
@@ -152,3 +167,32 @@ def cast_model(model: nn.Module, dtype: mx.Dtype | None) -> None:
         return
     dequantize_model(model)
     model.set_dtype(dtype)
+
+
+def load_checked(
+    model: nn.Module, weights: dict[str, mx.array], quantization: dict | None, what: str
+) -> None:
+    """Load `weights` into `model`, quantized first as `quantization` says where `weights`
+    holds a layer's scales, or say in one line which do not fit (`what`: whose weights)."""
+    if quantization:
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda name, m: f"{name}.scales" in weights,
+        )
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{what} do not match its config: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, param in tree_flatten(model.parameters()):
+        if param.shape != weights[name].shape:
+            raise ValueError(
+                f"{what}: {name} has shape {weights[name].shape}, config implies {param.shape}"
+            )
+    model.load_weights(list(weights.items()))
