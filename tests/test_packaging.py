@@ -29,6 +29,7 @@ FIRST_RELEASE = {
     ("mlx_lm.generate", "make_text_state_machine"): "0.32.0",
     ("mlx_lm.generate", "wired_limit"): "0.24.1",
     ("mlx_lm.models.activations", "swiglu"): "0.30.4",
+    ("mlx_lm.models.base", "create_attention_mask"): "0.24.1",  # with return_array
     ("mlx_lm.models.base", "create_causal_mask"): "0.22.0",
     ("mlx_lm.models.base", "gather_last_axis"): "0.32.1",
     # in the 0.32.0 wheel (older releases not checked: below any floor we declare)
