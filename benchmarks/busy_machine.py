@@ -55,6 +55,8 @@ def bench_once(env: dict[str, str], args: argparse.Namespace) -> dict:
         ]  # fmt: skip
         if args.temp:
             command += ["--temp", str(args.temp)]
+        if args.category:
+            command += ["--category", args.category]
         done = subprocess.run(
             command, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600
         )
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--settings", default="default,spin", help=",".join(SETTINGS))
     parser.add_argument("--draft", default=str(DRAFTER))
     parser.add_argument("--limit", type=int, default=6, help="the bench suite's first N prompts")
+    parser.add_argument("--category", help="the suite's prompts of one category (e.g. coding)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--json", help="write the results here")
