@@ -73,3 +73,28 @@ def test_every_thread_count_gives_the_same_bits():
             n = int(threads)
             assert other["sgemm"][n - 1] > 0 and other["attention"][n - 1] > 0, other
             assert other["qmm"][min(n, 2) - 1] > 0, other
+
+
+@needs_kernel
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
+def test_a_count_forced_in_the_process_holds_until_released():
+    """`blas.force_threads(n)` (a benchmark's side-by-side settings): products take n threads
+    from then on, and the measured counts again after `force_threads(0)`."""
+    import mlx.core as mx
+
+    from dflash_mlx.native import blas
+
+    w, x = mx.ones((1536, 576)), mx.ones((4, 576))
+
+    def took(n: int) -> list[int]:
+        blas.force_threads(n)
+        before = blas.calls_by_threads()
+        for _ in range(40):
+            mx.eval(x @ w.T)
+        return [after - b for after, b in zip(blas.calls_by_threads(), before)]
+
+    try:
+        assert took(1)[:2] == [40, 0] and took(2)[:2] == [0, 40]
+        assert sum(took(0)) == 40
+    finally:
+        blas.force_threads(0)

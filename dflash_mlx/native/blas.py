@@ -164,6 +164,14 @@ def calls_by_threads() -> list[int]:
     return list(calls)
 
 
+def force_threads(n: int) -> None:
+    """From now on every few-row product takes up to `n` threads (0: as measured), as
+    DFLASH_MLX_THREADS=n would have had it from the start: for benchmarks that compare the
+    settings side by side in one process."""
+    if _kernel is not None:
+        ctypes.CDLL(_kernel).dflash_sgemm_force_threads(n)
+
+
 def threads_setting() -> str:
     """How the kernels choose their threads, in words."""
     forced = os.environ.get("DFLASH_MLX_THREADS", "")

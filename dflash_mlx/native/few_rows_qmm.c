@@ -130,3 +130,4 @@ int dflash_qmm_rows(int M, int N, int K, int bits, int group, const float *const
 }
 
 void dflash_qmm_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_qmm_force_threads(int n) { force_threads(n); }

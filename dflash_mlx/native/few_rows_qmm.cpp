@@ -17,6 +17,7 @@ namespace mx = mlx::core;
 
 extern "C" {
 void dflash_qmm_calls_by_threads(long *out, int n);
+void dflash_qmm_force_threads(int n);
 int dflash_qmm_max_rows(void);
 int dflash_qmm_rows(int M, int N, int K, int bits, int group, const float *const *rows,
                     long x_step, const uint32_t *w, const float *scales, const float *biases,
@@ -110,6 +111,8 @@ std::vector<long> calls_by_threads() {
 }  // namespace
 
 NB_MODULE(_few_rows_qmm, m) {
+  m.def("force_threads", &dflash_qmm_force_threads, nb::arg("n"),
+        "Every call takes up to n threads from now on (0: as measured).");
   m.def("calls_by_threads", &calls_by_threads,
         "How many calls took 1, 2, ... threads (the last entry: 16 or more).");
   m.def("max_rows", &dflash_qmm_max_rows, "The most rows of x one product takes.");

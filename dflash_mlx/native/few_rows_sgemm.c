@@ -234,3 +234,4 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
 }
 
 void dflash_sgemm_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_sgemm_force_threads(int n) { force_threads(n); }

@@ -11,7 +11,7 @@
  * thread (MLX runs a stream's kernels on one thread), so no lock is taken.
  *
  * DFLASH_MLX_THREADS=n (n >= 1) takes min(n, the most its size allows) threads instead, every
- * call. The kernels' results do not depend on the count: every output is summed by one thread,
+ * call (`force_threads`, for benchmarks that compare settings in one process). The kernels' results do not depend on the count: every output is summed by one thread,
  * in the same order, whatever the split.
  */
 #ifndef DFLASH_THREADS_H
@@ -56,9 +56,10 @@ static inline int counted(int threads) {
   return threads;
 }
 
-/* DFLASH_MLX_THREADS, read once: 0 where unset (measured). */
+static int forced = -1; /* threads every call takes (0: measured; -1: not read yet) */
+
+/* DFLASH_MLX_THREADS, read once, or what `force_threads` set: 0 where neither (measured). */
 static int forced_threads(void) {
-  static int forced = -1;
   if (forced < 0) {
     const char *text = getenv("DFLASH_MLX_THREADS");
     int n = text ? atoi(text) : 0;
@@ -66,6 +67,10 @@ static int forced_threads(void) {
   }
   return forced;
 }
+
+/* From now on every call takes min(n, the most its size allows) threads; 0: measured again.
+ * Each kernel exports it under a name of its own, as calls_by_threads_into. */
+static void force_threads(int n) { forced = n > 0 ? n : 0; }
 
 static inline int arm_threads(int arm, int most) {
   return (1 << arm) < most ? 1 << arm : most;

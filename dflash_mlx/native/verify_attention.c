@@ -273,3 +273,4 @@ int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, 
 }
 
 void dflash_attention_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_attention_force_threads(int n) { force_threads(n); }

@@ -19,6 +19,7 @@ namespace mx = mlx::core;
 
 extern "C" {
 void dflash_attention_calls_by_threads(long *out, int n);
+void dflash_attention_force_threads(int n);
 int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, float scale,
                             const float *q, const long *qs, const float *k, const long *ks,
                             const float *v, const long *vs, const unsigned char *mask,
@@ -105,6 +106,8 @@ std::vector<long> calls_by_threads() {
 }  // namespace
 
 NB_MODULE(_verify_attention, m) {
+  m.def("force_threads", &dflash_attention_force_threads, nb::arg("n"),
+        "Every call takes up to n threads from now on (0: as measured).");
   m.def("calls_by_threads", &calls_by_threads,
         "How many calls took 1, 2, ... threads (the last entry: 16 or more).");
   m.def("verify_attention", &verify_attention, nb::arg("queries"), nb::arg("keys"),
