@@ -452,12 +452,16 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
             for prompt, cache in zip(prompts, together)
         ]
 
+    def requests(proposers_):
+        return [
+            proposers.TreeRequest(p, root, depth, budget)
+            for p, root, depth, budget in zip(proposers_, roots, depths, budgets)
+        ]
+
     shared, depths = lookups(), [3, 3, 2]
-    grafted = proposers.trees(shared, roots, depths, budgets, [None] * 3)
+    grafted = proposers.trees(requests(shared))
     for i, (tree, own_lookup) in enumerate(zip(grafted, lookups())):
-        own = proposers.trees(
-            [own_lookup], roots[i : i + 1], depths[i : i + 1], budgets[i : i + 1], [None]
-        )[0]
+        own = proposers.trees(requests([None] * i + [own_lookup])[i:])[0]
         assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
         assert shared[i].nodes == own_lookup.nodes
     assert any(lookup.nodes for lookup in shared)  # the lookups grafted something
