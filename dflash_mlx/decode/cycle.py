@@ -1,12 +1,13 @@
 """One speculative cycle for R >= 1 replies: draft, verify, accept, commit.
 
-A cycle has two halves. `launch` queues it on each row's last committed token: the
-proposers' drafts (a chain or a tree per row, as the row's plan says), one target forward
-over every row ([root] + drafts, each row through its own caches, padded to the longest
-row), and each row's verdict, computed on the device. `settle` reads every row's verdict
-at once and commits each row's accepted tokens: the target's caches are trimmed back to
-them (a chain's rejected tail, or everything off a tree's accepted path), the tokens are
-booked, and the proposers get the target's features of the kept positions. A single
+A cycle has two halves. `launch` queues it on each row's last committed token (one
+`RowRequest` per reply): the proposers' drafts (a `ChainRow` or a `TreeRow` per row, as the
+row's plan says), one target forward over every row ([root] + drafts, each row through its
+own caches, padded to the longest row), and each row's verdict, computed on the device.
+`settle` reads every row's verdict in one read and asks each row to commit its accepted
+tokens: the target's caches are trimmed back to them (a chain's rejected tail, or everything
+off a tree's accepted path), the tokens are booked, the row's policy records the cycle, and
+the proposers get the target's features of the kept positions. A single
 generation is R = 1 of the same code; the loop (`scheduler.py`) hands the last commit to its
 consumer between the two halves, so the device computes the cycle meanwhile.
 
