@@ -104,9 +104,12 @@ static int most_threads(int B, int K) {
 }
 
 /* A product's kind for threads.h: its kernel (dots or columns), rows of the small operand
- * (1, 2, 3-4, 5-8, ...), B and K. */
+ * (1, 2, 3-4, 5-8, ...), K and B to its two leading bits (a weight's rows, or a growing KV
+ * cache's keys, which change kind only now and then). */
 static long product_kind(int columns, int S, int B, int K) {
-  return ((long)B << 36) | ((long)K << 8) | ((32 - __builtin_clz(S)) << 1) | columns;
+  int shift = 30 - __builtin_clz(B) > 0 ? 30 - __builtin_clz(B) : 0;
+  return ((long)(B >> shift) << 50) | ((long)shift << 44) | ((long)K << 8) |
+         ((32 - __builtin_clz(S)) << 1) | columns;
 }
 
 #if LANES == 16 || defined(__AVX2__) /* where it was measured: not NEON */

@@ -20,7 +20,8 @@
 #include <time.h>
 
 #define ARMS 5       /* 1, 2, 4, 8, 16 threads (the last arm takes the most allowed) */
-#define SLOTS 64     /* kinds of call remembered per calling thread */
+#define SLOTS 256    /* kinds of call remembered per calling thread */
+#define PROBES 8     /* slots a kind may take, from its hash on */
 #define PATIENCE 32  /* calls an arm sits out per unit of its cost ratio to the cheapest */
 #define DECAY 0.125f /* weight of a new measurement in an arm's mean */
 
@@ -86,11 +87,14 @@ static int threads_for(long key, int most, double work, threads_choice *choice) 
   if (most <= 1) return counted(1);
   int forced = forced_threads();
   if (forced) return counted(forced < most ? forced : most);
-  unsigned long slot = ((unsigned long)key * 0x9E3779B97F4A7C15UL) >> 58; /* 64 slots */
-  call_kind *kind = &kinds[slot];
-  if (kind->key != key) { /* a new kind, or another in its slot: start over */
-    *kind = (call_kind){.key = key};
+  unsigned long slot = ((unsigned long)key * 0x9E3779B97F4A7C15UL) >> 56; /* 256 slots */
+  call_kind *kind = NULL;
+  for (int p = 0; p < PROBES && !kind; p++) {
+    call_kind *at = &kinds[(slot + p) % SLOTS];
+    if (at->key == key || at->key == 0) kind = at;
   }
+  if (!kind) kind = &kinds[slot]; /* all taken: the kind in its first slot starts over */
+  if (kind->key != key) *kind = (call_kind){.key = key};
   int arms = 1;
   while (arms < ARMS && (1 << (arms - 1)) < most) arms++;
   int best = 0;
