@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..models.draft import Choose, DFlashDraft, TreeScores
+from ..models.draft import Choose, DFlashDraft, DraftChain, DraftTree, TreeScores
 from ..models.target import TargetAdapter
 from ..models.tree import Tree, graft
 from .lookup import ContextLookup
@@ -172,15 +172,10 @@ def chains(requests: list[ChainRequest]) -> list[tuple[mx.array, mx.array | None
         drafters = [r.proposer.drafting for r in rows]
         first = drafters[0]
         blocks = block_rows([r.root for r in rows], max(r.length for r in rows), first.mask)
-        proposed = first.draft.propose(
-            blocks,
-            first.embed,
-            first.head,
-            [d.cache for d in drafters],
-            [d.choose for d in drafters],
-            [r.context for r in rows],
-            [r.length for r in rows],
-        )
+        drafting = [
+            DraftChain(d.cache, d.choose, r.length, r.context) for d, r in zip(drafters, rows)
+        ]
+        proposed = first.draft.propose(blocks, first.embed, first.head, drafting)
         for i, chain in zip(members, proposed):
             out[i] = chain
     return out
@@ -197,15 +192,8 @@ def trees(requests: list[TreeRequest]) -> list[Tree]:
         rows = [requests[i] for i in members]
         drafters = [r.proposer.drafting for r in rows]
         first = drafters[0]
-        drafted = first.draft.trees(
-            [r.root for r in rows],
-            depth,
-            first.embed,
-            first.head,
-            [d.cache for d in drafters],
-            [r.budget for r in rows],
-            [r.scores for r in rows],
-        )
+        drafting = [DraftTree(r.root, d.cache, r.budget, r.scores) for d, r in zip(drafters, rows)]
+        drafted = first.draft.trees(depth, first.embed, first.head, drafting)
         for i, tree in zip(members, drafted):
             out[i] = tree
     return [r.proposer.graft(tree, r.depth, r.budget) for r, tree in zip(requests, out)]
