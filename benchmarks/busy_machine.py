@@ -70,13 +70,15 @@ def bench_once(env: dict[str, str], args: argparse.Namespace) -> dict:
 
 
 def print_losses(rows: list[dict]) -> None:
-    """Per setting and number of busy processes: the rounds' total speeds, and what each of
+    """Per setting and number of busy processes: the rounds' mean speeds, and what each of
     mlx-lm and DFlash lost against the same setting on a quiet machine (busy 0)."""
-    totals: dict[tuple[int, str], list[float]] = {}
+    runs: dict[tuple[int, str], list[dict]] = {}
     for row in rows:
-        total = totals.setdefault((row["busy"], row["setting"]), [0.0, 0.0])
-        total[0] += row["ar_tps"]
-        total[1] += row["dflash_tps"]
+        runs.setdefault((row["busy"], row["setting"]), []).append(row)
+    totals = {
+        key: [sum(r[name] for r in group) / len(group) for name in ("ar_tps", "dflash_tps")]
+        for key, group in runs.items()
+    }
     header = f"{'busy':>4} {'setting':>10} | {'x mlx-lm':>8} {'mlx-lm lost':>11}"
     print(f"\n{header} {'DFlash lost':>11}")
     for (busy, name), (ar, dflash) in totals.items():
