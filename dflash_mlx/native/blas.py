@@ -60,6 +60,7 @@ _reason = "not attempted"
 _kernel: str | None = None
 _kernel_reason = "not attempted"
 _spinning = ""  # why idle OpenMP threads still spin, where they do
+THREADED = "in front"  # the kernel's state where it runs on OpenMP's threads
 
 # Idle threads sleep at once instead of spinning (OpenBLAS: 2**4 cycles instead of 2**28).
 QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
@@ -126,7 +127,7 @@ def _kernel_library() -> ctypes.CDLL | None:
         _kernel_reason = f"not built: {exc}"
         return None
     _kernel = str(path)
-    _kernel_reason = "in front" if threaded else "in front, on one thread (no OpenMP)"
+    _kernel_reason = THREADED if threaded else "in front, on one thread (no OpenMP)"
     return library
 
 
@@ -184,7 +185,7 @@ def active_blas() -> str:
     """Which BLAS MLX's CPU matmuls use, in words (for `dflash-mlx info`)."""
     if _active:
         spinning = f"; {_spinning}" if _spinning else ""
-        threads = f", {threads_setting()}" if _kernel else ""
+        threads = f", {threads_setting()}" if _kernel_reason == THREADED else ""
         return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}{threads}{spinning}"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
