@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -185,6 +186,9 @@ class RowRequest:
     policy: Policy
 
 
+Cost = Callable[[], float | None]  # a cycle's seconds so far (None: counted by another row)
+
+
 @dataclass(eq=False)
 class ChainRow:
     """A reply's chain in a launched cycle: its root, its drafts (none: a plain step) and
@@ -263,16 +267,16 @@ class ChainRow:
         """What the device computes for it ahead of `settle`."""
         return self.reads()
 
-    def commit(self, values: list[np.ndarray], positions: int, seconds: float | None) -> Commit:
+    def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
         """Book its accepted tokens: the rejected drafts and padding leave the target's
         caches, the root and accepted drafts join the reply's tokens, and its policy records
-        what it verified, accepted and cost (`seconds`)."""
+        what it verified, accepted and cost (`cost()`, once it is booked)."""
         drafts, accepted, token = (v.tolist() for v in values)
         state = self.reply.state
         state.target.rollback(state.cache, positions - accepted - 1)
         state.tokens.extend([self.root.item(), *drafts[:accepted]])
         self.kept = accepted + 1
-        self.policy.record(Cycle(self.size - 1, accepted, seconds))
+        self.policy.record(Cycle(self.size - 1, accepted, cost()))
         logits = self.verdict.logits[: accepted + 1]
         return Commit(drafts[:accepted] + [token], logits, accepted, self.size - 1)
 
@@ -368,16 +372,17 @@ class TreeRow:
         where the choices are made during the walk."""
         return self.reads() or [self.logits]
 
-    def commit(self, values: list[np.ndarray], positions: int, seconds: float | None) -> Commit:
+    def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
         """Book its accepted path: everything off it leaves the target's caches, its tokens
-        join the reply's, and its policy records what it verified, accepted and cost."""
+        join the reply's, and its policy records what it verified, accepted and cost (`cost()`,
+        once it is booked: the walk included)."""
         commit, path = self._walk(values[0].tolist() if values else None)
         state = self.reply.state
         keep_path(state.cache, self.start, path)
         state.tokens.extend([self.tree.tokens[node] for node in path])
         self.kept = path
         probabilities = self.tree.probabilities()
-        self.policy.record(Cycle(len(self.tree) - 1, len(path) - 1, seconds, probabilities, path))
+        self.policy.record(Cycle(len(self.tree) - 1, len(path) - 1, cost(), probabilities, path))
         return commit
 
     def _walk(self, choices: list[int] | None) -> tuple[Commit, list[int]]:
@@ -526,8 +531,8 @@ def _settle(
     for i, (row, values) in enumerate(zip(pending.rows, reads)):
         # a cycle's cost is recorded once per policy: rows it planned after its first get None
         first = all(other.policy is not row.policy for other in pending.rows[:i])
-        seconds = _seconds(pending, started) if first else None
-        commit = row.commit(values, pending.positions, seconds)
+        cost = partial(_seconds, pending, started) if first else lambda: None
+        commit = row.commit(values, pending.positions, cost)
         commit.rows = len(pending.rows)
         commits.append((row.reply, commit))
     _observe(pending, [row.kept for row in pending.rows])
