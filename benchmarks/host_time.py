@@ -50,7 +50,7 @@ import numpy as np
 from cycle_cost import DRAFT_LAYERS, random_target
 
 from dflash_mlx.decode import cycle, proposers
-from dflash_mlx.decode.cycle import Mark, Reply, ReplyState
+from dflash_mlx.decode.cycle import Mark, Reply, ReplyState, Root, RowRequest
 from dflash_mlx.decode.plan import resolve
 from dflash_mlx.decode.prompt_cache import make_prompt_cache
 from dflash_mlx.decode.proposers import DrafterProposer, LookupProposer
@@ -144,13 +144,13 @@ def cycle_parts(reply: Reply) -> dict[str, float]:
     """ms of one cycle's host work for `reply`, by part; its caches are put back after."""
     state, policy = reply.state, reply.policy
     mark = Mark.of(state)
-    rows = [(reply, 5, policy)]
+    rows = [RowRequest(reply, Root.known(5), policy)]
     out = {}
     out["plan"], plans = timed(lambda: cycle._plans(rows))
     if not plans[0].tree and plans[0].drafts:
         n = plans[0].drafts
         out["drafter graph"], chains = timed(
-            lambda: proposers.chains([state.proposer], [5], [n], [None])
+            lambda: proposers.chains([proposers.ChainRequest(state.proposer, mx.array([5]), n)])
         )
         drafts = chains[0][0]
         tokens = mx.concatenate([mx.array([5], dtype=mx.uint32), drafts])

@@ -118,6 +118,7 @@ def launched(monkeypatch):
     """Each cycle launched meanwhile, as (its rows, which rows were trees, which of those
     held the prompt lookup's grafts)."""
     from dflash_mlx.decode import cycle
+    from dflash_mlx.decode.cycle import TreeRow
     from dflash_mlx.decode.proposers import LookupProposer
 
     seen = []
@@ -125,7 +126,7 @@ def launched(monkeypatch):
 
     def recorded(rows):
         pending = launch(rows)
-        trees = [row.tree is not None and len(row.tree) > 1 for row in pending.rows]
+        trees = [isinstance(row, TreeRow) and len(row.tree) > 1 for row in pending.rows]
         grafted = [
             isinstance(row.reply.state.proposer, LookupProposer)
             and any(node >= 0 for node in row.reply.state.proposer.nodes)

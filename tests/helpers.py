@@ -371,8 +371,10 @@ class BlockByBlock:
 def propose_one(draft, block, embed, head, cache, choose, context=None):
     """`draft.propose` for one block (L,) = [root, mask, ...] over `cache`: (its drafts,
     log q), as a lone reply's cycle asks for them."""
-    lengths = [block.shape[0] - 1]
-    return draft.propose(block[None], embed, head, [cache], [choose], [context], lengths)[0]
+    from dflash_mlx.models.draft import DraftChain
+
+    row = DraftChain(cache, choose, block.shape[0] - 1, context)
+    return draft.propose(block[None], embed, head, [row])[0]
 
 
 def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
@@ -382,6 +384,7 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
     `proposers.trees` of prompt lookups over it grafts each row as alone."""
     from dflash_mlx.decode import proposers
     from dflash_mlx.decode.sampling import make_logprobs_transform
+    from dflash_mlx.models.draft import DraftChain, DraftTree
     from dflash_mlx.models.target import TargetAdapter
 
     target = TargetAdapter(model)
@@ -408,19 +411,11 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
 
     mask, roots, lengths = draft.config.mask_token_id, [7, 19, 3], [4, 2, 3]
     blocks = mx.array([[root] + [mask] * 4 for root in roots])
-    rows = draft.propose(
-        blocks, target.embed_tokens, head, together, [choose] * 3, [None] * 3, lengths
-    )
+    chains = [DraftChain(cache, choose, n) for cache, n in zip(together, lengths)]
+    rows = draft.propose(blocks, target.embed_tokens, head, chains)
     for i, (tokens, logq) in enumerate(rows):
-        own_tokens, own_logq = draft.propose(
-            blocks[i : i + 1],
-            target.embed_tokens,
-            head,
-            [together[i]],
-            [choose],
-            [None],
-            lengths[i : i + 1],
-        )[0]
+        own = draft.propose(blocks[i : i + 1], target.embed_tokens, head, chains[i : i + 1])
+        own_tokens, own_logq = own[0]
         assert tokens.tolist() == own_tokens.tolist() and tokens.size <= lengths[i]
         assert mx.allclose(logq, own_logq, atol=1e-5)
     if not tree_rows:
@@ -428,17 +423,10 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
 
     budgets = [5, 2, 7]
     scores = [None, lambda logits, token_ids: logits / 2, None]
-    trees = draft.trees(roots, 3, target.embed_tokens, head, together, budgets, scores)
+    asked = [DraftTree(*row) for row in zip(roots, together, budgets, scores)]
+    trees = draft.trees(3, target.embed_tokens, head, asked)
     for i, tree in enumerate(trees):
-        own = draft.trees(
-            roots[i : i + 1],
-            3,
-            target.embed_tokens,
-            head,
-            [together[i]],
-            budgets[i : i + 1],
-            scores[i : i + 1],
-        )[0]
+        own = draft.trees(3, target.embed_tokens, head, asked[i : i + 1])[0]
         assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
         assert len(tree) <= budgets[i] + 1
 
@@ -452,12 +440,16 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
             for prompt, cache in zip(prompts, together)
         ]
 
+    def requests(proposers_):
+        return [
+            proposers.TreeRequest(p, root, depth, budget)
+            for p, root, depth, budget in zip(proposers_, roots, depths, budgets)
+        ]
+
     shared, depths = lookups(), [3, 3, 2]
-    grafted = proposers.trees(shared, roots, depths, budgets, [None] * 3)
+    grafted = proposers.trees(requests(shared))
     for i, (tree, own_lookup) in enumerate(zip(grafted, lookups())):
-        own = proposers.trees(
-            [own_lookup], roots[i : i + 1], depths[i : i + 1], budgets[i : i + 1], [None]
-        )[0]
+        own = proposers.trees(requests([None] * i + [own_lookup])[i:])[0]
         assert (tree.tokens, tree.parents, tree.depths) == (own.tokens, own.parents, own.depths)
         assert shared[i].nodes == own_lookup.nodes
     assert any(lookup.nodes for lookup in shared)  # the lookups grafted something

@@ -181,8 +181,8 @@ class RowsNoisyOracle(NoisyOracleDraft):
     plus fixed noise) for the rows of a shared cycle: what the cycle does with each row's q
     is under test, not the drafter's forward."""
 
-    def propose(self, blocks, embed, lm_head, caches, chooses, contexts, lengths):
-        return super().propose(blocks[:, :2], embed, lm_head, caches, chooses, contexts, lengths)
+    def propose(self, blocks, embed, lm_head, rows):
+        return super().propose(blocks[:, :2], embed, lm_head, rows)
 
 
 @pytest.mark.slow

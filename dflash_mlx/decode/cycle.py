@@ -1,12 +1,13 @@
 """One speculative cycle for R >= 1 replies: draft, verify, accept, commit.
 
-A cycle has two halves. `launch` queues it on each row's last committed token: the
-proposers' drafts (a chain or a tree per row, as the row's plan says), one target forward
-over every row ([root] + drafts, each row through its own caches, padded to the longest
-row), and each row's verdict, computed on the device. `settle` reads every row's verdict
-at once and commits each row's accepted tokens: the target's caches are trimmed back to
-them (a chain's rejected tail, or everything off a tree's accepted path), the tokens are
-booked, and the proposers get the target's features of the kept positions. A single
+A cycle has two halves. `launch` queues it on each row's last committed token (one
+`RowRequest` per reply): the proposers' drafts (a `ChainRow` or a `TreeRow` per row, as the
+row's plan says), one target forward over every row ([root] + drafts, each row through its
+own caches, padded to the longest row), and each row's verdict, computed on the device.
+`settle` reads every row's verdict in one read and asks each row to commit its accepted
+tokens: the target's caches are trimmed back to them (a chain's rejected tail, or everything
+off a tree's accepted path), the tokens are booked, the row's policy records the cycle, and
+the proposers get the target's features of the kept positions. A single
 generation is R = 1 of the same code; the loop (`scheduler.py`) hands the last commit to its
 consumer between the two halves, so the device computes the cycle meanwhile.
 
@@ -27,9 +28,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..models.rollback import keep_path
 from ..models.target import TargetAdapter, TreeShape
@@ -155,26 +158,262 @@ def put_back_on_failure(replies: list[Reply], marks: list[Mark]) -> Iterator[Non
         raise
 
 
-@dataclass
-class Row:
-    """One reply's part of a launched cycle: its root (None while it is still on the device),
-    the policy that planned it and its plan, the cache offset it starts at, its drafts (a
-    chain's) or tree, its verified positions, and its verdict (a chain's) or the target's
-    logits and choices at its nodes (a tree's; no choices where they are made during the
-    walk)."""
+@dataclass(eq=False)
+class Root:
+    """A row's root, the last token its reply committed: on the device (`array`, shape (1,)),
+    and its value once the host has read it (`value`; a lone plain step's token is queued
+    on before it is read)."""
+
+    array: mx.array
+    value: int | None = None
+
+    @classmethod
+    def known(cls, token: int) -> Root:
+        return cls(mx.array([token]), token)
+
+    def item(self) -> int:
+        """Its value, read from the device where the host does not know it yet."""
+        if self.value is None:
+            self.value = self.array.item()
+        return self.value
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One reply's part in a cycle to launch: the reply, its root and the policy that plans
+    its row."""
 
     reply: Reply
-    root: int | None
+    root: Root
+    policy: Policy
+
+
+Cost = Callable[[], float | None]  # a cycle's seconds so far (None: counted by another row)
+
+
+@dataclass(eq=False)
+class ChainRow:
+    """A reply's chain in a launched cycle: its root, its drafts (none: a plain step) and
+    their log q, and its verdict. It commits the accepted drafts and the target's token
+    after them, and keeps as many positions (`kept`)."""
+
+    reply: Reply
+    root: Root
     policy: Policy
     plan: Plan
-    start: int
-    size: int
     drafts: mx.array
-    tree: Tree | None = None
-    drafted: bool = False  # whether the proposer drafted its tree (else the root alone)
+    logq: mx.array | None = None
     verdict: Verdict | None = None
+    kept: int = 0
+
+    drafts_from_root_value = False  # its drafts are queued on its root, read or not
+
+    @classmethod
+    def draft(
+        cls, launching: list[tuple[RowRequest, Plan, list[int] | None]], shared: bool
+    ) -> list[ChainRow]:
+        """The rows of a cycle's chains (request, plan, context for logits processors): as
+        many drafts as each plan asks, capped by its reply's remaining tokens, its caches and
+        (in a `shared` cycle) its reply's cap, those drafting with one drafter in one drafter
+        forward (`proposers.chains`); a proposer may stop short."""
+        wanted = {}
+        for i, (request, plan, context) in enumerate(launching):
+            reply, drafts = request.reply, plan.drafts
+            if not drafts:
+                continue
+            if shared and reply.plan.max_drafts is not None:
+                drafts = min(drafts, reply.plan.max_drafts)
+            state = reply.state
+            n = state.target.forward_limit(state.cache, min(drafts + 1, reply.remaining))
+            if n > 1:
+                wanted[i] = proposers.ChainRequest(
+                    state.proposer, request.root.array, n - 1, context
+                )
+        chains = dict(zip(wanted, proposers.chains(list(wanted.values()))))
+        return [
+            cls(request.reply, request.root, request.policy, plan, *chains.get(i, (NONE, None)))
+            for i, (request, plan, _) in enumerate(launching)
+        ]
+
+    @property
+    def size(self) -> int:
+        """Positions it verifies: the root and its drafts."""
+        return self.drafts.size + 1
+
+    @property
+    def plain(self) -> bool:
+        return self.drafts.size == 0
+
+    def tokens(self, positions: int) -> mx.array:
+        """Its root and drafts, padded to `positions` with repeats of its root (its causal
+        mask keeps them out of its real positions)."""
+        tokens = mx.concatenate([self.root.array, self.drafts.astype(self.root.array.dtype)])
+        if positions == self.size:
+            return tokens
+        return mx.pad(tokens, (0, positions - self.size), constant_values=self.root.item())
+
+    def shape(self, positions: int) -> None:
+        """A chain needs no tree shape."""
+        return None
+
+    def verify(self, logits: mx.array, context: list[int] | None) -> None:
+        """Its verdict on the device: the accepted drafts and the target's token after them."""
+        verifier = self.reply.state.verifier
+        self.verdict = verifier.verify(self.drafts, self.logq, logits, context)
+
+    def reads(self) -> list[mx.array]:
+        """What committing it reads from the device."""
+        return [self.drafts, self.verdict.accepted, self.verdict.token]
+
+    def computed(self) -> list[mx.array]:
+        """What the device computes for it ahead of `settle`."""
+        return self.reads()
+
+    def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
+        """Book its accepted tokens: the rejected drafts and padding leave the target's
+        caches, the root and accepted drafts join the reply's tokens, and its policy records
+        what it verified, accepted and cost (`cost()`, once it is booked)."""
+        drafts, accepted, token = (v.tolist() for v in values)
+        state = self.reply.state
+        state.target.rollback(state.cache, positions - accepted - 1)
+        state.tokens.extend([self.root.item(), *drafts[:accepted]])
+        self.kept = accepted + 1
+        self.policy.record(Cycle(self.size - 1, accepted, cost()))
+        logits = self.verdict.logits[: accepted + 1]
+        return Commit(drafts[:accepted] + [token], logits, accepted, self.size - 1)
+
+    def commit_queued(self, values: list[np.ndarray], queued: Pending, seconds: float) -> Commit:
+        """A lone plain step's commit, its position booked when its next cycle was queued on
+        its token (`_queue_next`): the token is that cycle's root."""
+        token = int(values[2])
+        queued.rows[0].root.value = token
+        self.policy.record(Cycle(0, 0, seconds))
+        return Commit([token], self.verdict.logits[:1], queued=queued)
+
+
+@dataclass(eq=False)
+class TreeRow:
+    """A reply's tree in a launched cycle: its root, the cache offset it starts at, the tree
+    (drafted, or the root alone), and the target's logits and choices at its nodes (no
+    choices where they are made during the walk). It commits the accepted path and the
+    target's token after it, and keeps the path's positions (`kept`)."""
+
+    reply: Reply
+    root: Root
+    policy: Policy
+    plan: Plan
+    tree: Tree
+    start: int
+    drafted: bool = False  # whether the proposer drafted it (else the root alone)
     logits: mx.array | None = None
     choices: mx.array | None = None
+    kept: list[int] = field(default_factory=list)
+
+    drafts_from_root_value = True
+    plain = False
+
+    @classmethod
+    def draft(
+        cls, launching: list[tuple[RowRequest, Plan, list[int] | None]], shared: bool
+    ) -> list[TreeRow]:
+        """The rows of a cycle's trees (request, plan, context): up to each plan's budget of
+        nodes, at most its reply's depth deep (and no deeper than it has tokens left), fitted
+        by its policy; those drafting with one drafter in one drafter forward
+        (`proposers.trees`). A tree of depth 0 is the root alone, not drafted."""
+        rows, drafting = [], {}
+        for i, (request, plan, _) in enumerate(launching):
+            reply, root = request.reply, request.root.item()
+            state = reply.state
+            limit = state.target.forward_limit(state.cache, reply.remaining) - 1
+            depth = min(reply.plan.depth, limit, plan.drafts)
+            start = state.cache[0].offset
+            tree = Tree([root], [-1], [0])
+            rows.append(cls(reply, request.root, request.policy, plan, tree, start))
+            if depth > 0:
+                scores = state.verifier.tree_scores if state.verifier.coupled else None
+                drafting[i] = proposers.TreeRequest(
+                    state.proposer, root, depth, plan.drafts, scores
+                )
+        for i, tree in zip(drafting, proposers.trees(list(drafting.values()))):
+            rows[i].tree = tree.first(rows[i].policy.fit(tree.probabilities()) + 1)
+            rows[i].drafted = True
+        return rows
+
+    @property
+    def size(self) -> int:
+        return len(self.tree)
+
+    def tokens(self, positions: int) -> mx.array:
+        """Its nodes' tokens, padded to `positions` with lone leaves holding its root."""
+        return mx.array(self.tree.tokens + [self.root.item()] * (positions - self.size))
+
+    def shape(self, positions: int) -> TreeShape:
+        """Its nodes (padded to `positions` with lone leaves under its root) in the forward."""
+        tree, extra = self.tree, positions - self.size
+        return TreeShape(tree.depths + [1] * extra, ancestor_mask(tree.parents + [0] * extra))
+
+    def verify(self, logits: mx.array, context: list[int] | None) -> None:
+        """The target's choices at its nodes, on the device: its own choice, its coupled
+        choice at the node's position, or its sample (a node is then accepted when the
+        target's sample at its parent is the node's token, so every committed token is the
+        target's own sample). Logits processors see each node's own path, and a verifier that
+        chooses per row pays for the path's nodes alone: those choices are made during the
+        walk (`_walk`)."""
+        self.logits = logits
+        verifier = self.reply.state.verifier
+        if not (verifier.processors or verifier.chooses_per_row):
+            first = len(self.reply.state.tokens) + 1
+            self.choices = verifier.choices(logits, [first + d for d in self.tree.depths])
+
+    def reads(self) -> list[mx.array]:
+        """What committing it reads from the device."""
+        return [] if self.choices is None else [self.choices]
+
+    def computed(self) -> list[mx.array]:
+        """What the device computes for it ahead of `settle`: its choices, or its logits
+        where the choices are made during the walk."""
+        return self.reads() or [self.logits]
+
+    def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
+        """Book its accepted path: everything off it leaves the target's caches, its tokens
+        join the reply's, and its policy records what it verified, accepted and cost (`cost()`,
+        once it is booked: the walk included)."""
+        commit, path = self._walk(values[0].tolist() if values else None)
+        state = self.reply.state
+        keep_path(state.cache, self.start, path)
+        state.tokens.extend([self.tree.tokens[node] for node in path])
+        self.kept = path
+        probabilities = self.tree.probabilities()
+        self.policy.record(Cycle(len(self.tree) - 1, len(path) - 1, cost(), probabilities, path))
+        return commit
+
+    def _walk(self, choices: list[int] | None) -> tuple[Commit, list[int]]:
+        """Its commit and accepted path: the walk down the target's choices (made here, node
+        by node, for a verifier with logits processors or one that chooses per row)."""
+        state, tree, logits = self.reply.state, self.tree, self.logits
+        processed: dict[int, mx.array] = {}
+
+        def choose_processed(node: int) -> int:
+            context = state.tokens + [tree.tokens[n] for n in tree.path(node)]
+            one = state.verifier.process(logits[node : node + 1], context, NONE)
+            processed[node] = one
+            position = len(state.tokens) + 1 + tree.depths[node]
+            return state.verifier.choices(one, [position]).item()
+
+        path, after = walk(tree, choose_processed if choices is None else choices.__getitem__)
+        if processed:
+            path_logits = mx.concatenate([processed[node] for node in path])
+        else:
+            path_logits = logits[mx.array(path)]
+        if self.drafted:
+            state.proposer.verified(tree, path)
+        tokens = [tree.tokens[node] for node in path]
+        accepted = len(path) - 1
+        commit = Commit(tokens[1:] + [after], path_logits, accepted, len(tree) - 1, tree=True)
+        return commit, path
+
+
+Row = ChainRow | TreeRow
 
 
 @dataclass
@@ -194,83 +433,69 @@ class Pending:
         return [row.reply for row in self.rows]
 
 
-def launch(rows: list[tuple[Reply, int | mx.array, Policy]]) -> Pending:
+def launch(requests: list[RowRequest]) -> Pending:
     """The cycle after each reply's root, as its policy plans it: drafts, one verify forward
     for every row (each through its own caches), verdicts. A failure is raised with every
     reply back where it stood (`Mark`). A lone reply whose target refuses its first tree
     forward (`TargetAdapter.check_tree` could not tell) runs a chain instead where its policy
     may fall back to chains (`drop_trees`)."""
-    plans = _plans(rows)
+    plans = _plans(requests)
     try:
-        return _launch_marked(rows, plans)
+        return _launch_marked(requests, plans)
     except ValueError:
-        policy = rows[0][2]
-        if not (len(rows) == 1 and plans[0].tree and policy.drop_trees()):
+        policy = requests[0].policy
+        if not (len(requests) == 1 and plans[0].tree and policy.drop_trees()):
             raise
-    return _launch_marked(rows, _plans(rows))
+    return _launch_marked(requests, _plans(requests))
 
 
-def _plans(rows: list[tuple[Reply, int | mx.array, Policy]]) -> list[Plan]:
+def _plans(requests: list[RowRequest]) -> list[Plan]:
     """Each row's plan: the rows one policy plans share its one plan."""
     planned: dict[int, Plan] = {}
-    for _, _, policy in rows:
-        if id(policy) not in planned:
-            planned[id(policy)] = policy.plan()
-    return [planned[id(policy)] for _, _, policy in rows]
+    for request in requests:
+        if id(request.policy) not in planned:
+            planned[id(request.policy)] = request.policy.plan()
+    return [planned[id(request.policy)] for request in requests]
 
 
-def _launch_marked(rows: list[tuple[Reply, int | mx.array, Policy]], plans: list[Plan]) -> Pending:
-    marks = [Mark.of(reply.state) for reply, _, _ in rows]
-    with put_back_on_failure([reply for reply, _, _ in rows], marks):
-        return _launch(rows, plans, marks)
+def _launch_marked(requests: list[RowRequest], plans: list[Plan]) -> Pending:
+    marks = [Mark.of(request.reply.state) for request in requests]
+    with put_back_on_failure([request.reply for request in requests], marks):
+        return _launch(requests, plans, marks)
 
 
-def _launch(
-    rows: list[tuple[Reply, int | mx.array, Policy]], plans: list[Plan], marks: list[Mark]
-) -> Pending:
+def _launch(requests: list[RowRequest], plans: list[Plan], marks: list[Mark]) -> Pending:
+    kinds = [TreeRow if plan.tree else ChainRow for plan in plans]
     tic = time.perf_counter()
-    roots = [root for _, root, _ in rows]
-    for i, plan in enumerate(plans):  # a tree is drafted from its root's value
-        if plan.tree and not isinstance(roots[i], int):
-            roots[i] = roots[i].item()
+    for request, kind in zip(requests, kinds):
+        if kind.drafts_from_root_value:
+            request.root.item()
     waited = time.perf_counter() - tic
     contexts = []
-    for (reply, _, _), root in zip(rows, roots):
-        state = reply.state
+    for request in requests:
+        state = request.reply.state
         state.verifier.at(len(state.tokens) + 1, state.target.vocab_size)
-        contexts.append(state.tokens + [root] if state.verifier.processors else None)
-    chains = _chains(rows, plans, roots, contexts)
-    trees = _trees(rows, plans, roots)
-    built, logqs, tokens = [], [], []
-    for i, ((reply, _, policy), plan, root) in enumerate(zip(rows, plans, roots)):
-        start = reply.state.cache[0].offset
-        root_id = mx.array([root]) if isinstance(root, int) else root
-        if plan.tree:
-            tree, drafted = trees[i]
-            built.append(Row(reply, root, policy, plan, start, len(tree), NONE, tree, drafted))
-            tokens.append(mx.array(tree.tokens))
-            logqs.append(None)
-        else:
-            drafts, logq = chains.get(i, (NONE, None))
-            known = root if isinstance(root, int) else None
-            built.append(Row(reply, known, policy, plan, start, drafts.size + 1, drafts))
-            tokens.append(mx.concatenate([root_id, drafts.astype(root_id.dtype)]))
-            logqs.append(logq)
-    positions = max(row.size for row in built)
-    if len(built) == 1:
-        batch = tokens[0][None]
-    else:  # a shared cycle's roots are known: only a lone reply's may be on the device
-        batch = mx.stack([_padded(t, row.root, positions) for t, row in zip(tokens, built)])
-    shapes = [_shape(row, positions) if row.tree else None for row in built]
-    taps = next(filter(None, (reply.state.proposer.layer_ids for reply, _, _ in rows)), None)
-    target = rows[0][0].state.target
+        processing = state.verifier.processors
+        contexts.append(state.tokens + [request.root.item()] if processing else None)
+    rows: list[Row] = [None] * len(requests)
+    for kind in (ChainRow, TreeRow):
+        members = [i for i, k in enumerate(kinds) if k is kind]
+        if members:
+            picked = [(requests[i], plans[i], contexts[i]) for i in members]
+            for i, row in zip(members, kind.draft(picked, shared=len(requests) > 1)):
+                rows[i] = row
+    positions = max(row.size for row in rows)
+    batch = mx.stack([row.tokens(positions) for row in rows])
+    shapes = [row.shape(positions) for row in rows]
+    taps = next(filter(None, (r.reply.state.proposer.layer_ids for r in requests)), None)
+    target = requests[0].reply.state.target
     forward = target.forward(
-        batch, [reply.state.cache for reply, _, _ in rows], shapes if any(shapes) else None, taps
+        batch, [row.reply.state.cache for row in rows], shapes if any(shapes) else None, taps
     )
-    for i, row in enumerate(built):
-        _verdict(row, forward.logits[i, : row.size], logqs[i], contexts[i])
-    mx.async_eval([part for row in built for part in _computed(row)])
-    pending = Pending(built, positions, forward.features, marks)
+    for i, (row, context) in enumerate(zip(rows, contexts)):
+        row.verify(forward.logits[i, : row.size], context)
+    mx.async_eval([part for row in rows for part in row.computed()])
+    pending = Pending(rows, positions, forward.features, marks)
     pending.waited = waited
     return pending
 
@@ -278,112 +503,10 @@ def _launch(
 NONE = mx.array([], dtype=mx.uint32)  # no drafts
 
 
-def _chains(
-    rows: list[tuple[Reply, int | mx.array, Policy]],
-    plans: list[Plan],
-    roots: list[int | mx.array],
-    contexts: list[list[int] | None],
-) -> dict[int, tuple[mx.array, mx.array | None]]:
-    """Each drafting chain row's drafts and log q, by row: as many as its plan asks (capped
-    by its reply's remaining tokens, its caches and a shared cycle's cap), those drafting
-    with one drafter in one drafter forward (`proposers.chains`); a proposer may stop
-    short."""
-    wanted = {}
-    for i, ((reply, _, _), plan) in enumerate(zip(rows, plans)):
-        drafts = plan.drafts
-        if plan.tree or not drafts:
-            continue
-        if len(rows) > 1 and reply.plan.max_drafts is not None:
-            drafts = min(drafts, reply.plan.max_drafts)
-        state = reply.state
-        n = state.target.forward_limit(state.cache, min(drafts + 1, reply.remaining))
-        if n > 1:
-            wanted[i] = n - 1
-    chains = proposers.chains(
-        [rows[i][0].state.proposer for i in wanted],
-        [roots[i] for i in wanted],
-        list(wanted.values()),
-        [contexts[i] for i in wanted],
-    )
-    return dict(zip(wanted, chains))
-
-
-def _trees(
-    rows: list[tuple[Reply, int | mx.array, Policy]], plans: list[Plan], roots: list
-) -> dict[int, tuple[Tree, bool]]:
-    """Each tree row's tree and whether it was drafted, by row: up to its plan's budget of
-    nodes, at most its reply's depth deep (and no deeper than it has tokens left), fitted by
-    its policy; those drafting with one drafter in one drafter forward (`proposers.trees`).
-    A tree of depth 0 is the root alone, not drafted."""
-    out, drafting, depths = {}, [], []
-    for i, plan in enumerate(plans):
-        if not plan.tree:
-            continue
-        state = rows[i][0].state
-        limit = state.target.forward_limit(state.cache, rows[i][0].remaining) - 1
-        depth = min(rows[i][0].plan.depth, limit, plan.drafts)
-        out[i] = Tree([roots[i]], [-1], [0]), False
-        if depth > 0:
-            drafting.append(i)
-            depths.append(depth)
-    verifiers = [rows[i][0].state.verifier for i in drafting]
-    drafted = proposers.trees(
-        [rows[i][0].state.proposer for i in drafting],
-        [roots[i] for i in drafting],
-        depths,
-        [plans[i].drafts for i in drafting],
-        [v.tree_scores if v.coupled else None for v in verifiers],
-    )
-    for i, tree in zip(drafting, drafted):
-        out[i] = tree.first(rows[i][2].fit(tree.probabilities()) + 1), True
-    return out
-
-
-def _padded(tokens: mx.array, root: int, positions: int) -> mx.array:
-    """A row's tokens padded to `positions` with repeats of its root."""
-    return mx.pad(tokens, (0, positions - tokens.size), constant_values=root)
-
-
-def _shape(row: Row, positions: int) -> TreeShape:
-    """A tree row's nodes padded to `positions` with lone leaves under its root."""
-    tree, extra = row.tree, positions - row.size
-    return TreeShape(tree.depths + [1] * extra, ancestor_mask(tree.parents + [0] * extra))
-
-
-def _verdict(row: Row, logits: mx.array, logq: mx.array | None, context: list[int] | None) -> None:
-    """The row's verdict on the device: a chain's accepted drafts and the target's token
-    after them; a tree's target choices at its nodes (its own choice, its coupled choice at
-    the node's position, or its sample: a node is then accepted when the target's sample at
-    its parent is the node's token, so every committed token is the target's own sample).
-    Logits processors see each node's own path, and a verifier that chooses per row pays for
-    the path's nodes alone: those choices are made during the walk (`_walk`)."""
-    verifier = row.reply.state.verifier
-    if row.tree is None:
-        row.verdict = verifier.verify(row.drafts, logq, logits, context)
-        return
-    row.logits = logits
-    if not (verifier.processors or verifier.chooses_per_row):
-        first = len(row.reply.state.tokens) + 1
-        row.choices = verifier.choices(logits, [first + depth for depth in row.tree.depths])
-
-
-def _read(row: Row) -> list[mx.array]:
-    """What settling the row reads from the device."""
-    if row.tree is None:
-        return [row.drafts, row.verdict.accepted, row.verdict.token]
-    return [] if row.choices is None else [row.choices]
-
-
-def _computed(row: Row) -> list[mx.array]:
-    """What the device computes for the row ahead of `settle`: what settling reads, or a
-    tree's logits where its choices are made during the walk."""
-    return _read(row) or [row.logits]
-
-
 def settle(
     pending: Pending,
     started: float,
-    launch_next: Callable[[Reply, mx.array], Pending] | None = None,
+    launch_next: Callable[[Reply, Root], Pending] | None = None,
 ) -> list[tuple[Reply, Commit]]:
     """Read every row's verdict at once and commit each reply's accepted tokens; `started`:
     when the replies' last commits were handed on. A lone plain step keeps its input
@@ -399,63 +522,54 @@ def settle(
 
 
 def _settle(
-    pending: Pending, started: float, launch_next: Callable[[Reply, mx.array], Pending] | None
+    pending: Pending, started: float, launch_next: Callable[[Reply, Root], Pending] | None
 ) -> list[tuple[Reply, Commit]]:
     queued = _queue_next(pending, launch_next) if launch_next else None
     reads = _read_rows(pending.rows)
     if queued is not None:  # a lone plain step, booked already (`_queue_next`)
-        row, (_, _, token) = pending.rows[0], reads[0]
-        if not queued.rows[0].plan.tree:
-            queued.rows[0].root = token
-        _record(row, pending, started, 0, queued)
-        return [(row.reply, Commit([token], row.verdict.logits[:1], queued=queued))]
-    commits, kept = [], []
-    for row, read in zip(pending.rows, reads):
-        state = row.reply.state
-        if row.tree is None:
-            drafts, accepted, token = read
-            state.target.rollback(state.cache, pending.positions - accepted - 1)
-            state.tokens.extend([row.root, *drafts[:accepted]])
-            kept.append(accepted + 1)
-            logits = row.verdict.logits[: accepted + 1]
-            commit = Commit(drafts[:accepted] + [token], logits, accepted, row.size - 1)
-            _record(row, pending, started, accepted)
-        else:
-            commit, path = _walk(row, read[0] if read else None)
-            keep_path(state.cache, row.start, path)
-            state.tokens.extend([row.tree.tokens[node] for node in path])
-            kept.append(path)
-            _record(row, pending, started, len(path) - 1, path=path)
+        row, seconds = pending.rows[0], _seconds(pending, started) - queued.launching
+        return [(row.reply, row.commit_queued(reads[0], queued, seconds))]
+    commits = []
+    for i, (row, values) in enumerate(zip(pending.rows, reads)):
+        # a cycle's cost is recorded once per policy: rows it planned after its first get None
+        first = all(other.policy is not row.policy for other in pending.rows[:i])
+        cost = partial(_seconds, pending, started) if first else lambda: None
+        commit = row.commit(values, pending.positions, cost)
         commit.rows = len(pending.rows)
         commits.append((row.reply, commit))
-    _observe(pending, kept)
+    _observe(pending, [row.kept for row in pending.rows])
     return commits
 
 
-def _read_rows(rows: list[Row]) -> list[list]:
-    """What each row's settling reads (`_read`), as Python values, in one read of the device."""
-    parts = [_read(row) for row in rows]
+def _seconds(pending: Pending, started: float) -> float:
+    """The cycle's wall time: since its replies' last commits were handed on, and its
+    launch's host work while the cycle before ran."""
+    return time.perf_counter() - started + pending.launching
+
+
+def _read_rows(rows: list[Row]) -> list[list[np.ndarray]]:
+    """What each row's commit reads (`reads`), in one read of the device."""
+    parts = [row.reads() for row in rows]
     flat = [p for row_parts in parts for p in row_parts]
     values = iter(read_together(flat, mx.int32) if flat else [])
-    return [[next(values).tolist() for _ in row_parts] for row_parts in parts]
+    return [[next(values) for _ in row_parts] for row_parts in parts]
 
 
-def _queue_next(
-    pending: Pending, launch_next: Callable[[Reply, mx.array], Pending]
-) -> Pending | None:
+def _queue_next(pending: Pending, launch_next: Callable[[Reply, Root], Pending]) -> Pending | None:
     """For a lone plain step with tokens to go and no logits processors: its position booked
     (its features handed on, its root appended) and the reply's next cycle launched on its
     token, still on the device."""
     row = pending.rows[0]
     reply, state = row.reply, row.reply.state
-    plain = row.tree is None and row.size == 1 and len(pending.rows) == 1
-    if not plain or reply.remaining <= 1 or state.verifier.processors:
+    if not (row.plain and len(pending.rows) == 1):
+        return None
+    if reply.remaining <= 1 or state.verifier.processors:
         return None
     state.target.rollback(state.cache, 0)
     _observe(pending, [1])
-    state.tokens.append(row.root)
+    state.tokens.append(row.root.item())
     tic = time.perf_counter()
-    queued = launch_next(reply, row.verdict.token[None].astype(mx.int32))
+    queued = launch_next(reply, Root(row.verdict.token[None].astype(mx.int32)))
     # the next cycle's host work is its own cost, not this one's
     queued.launching = time.perf_counter() - tic - queued.waited
     return queued
@@ -474,53 +588,6 @@ def _observe(pending: Pending, kept: list[int | list[int]]) -> None:
         features,
         [kept[i] for i in observing],
     )
-
-
-def _walk(row: Row, choices: list[int] | None) -> tuple[Commit, list[int]]:
-    """A tree row's commit and accepted path: the walk down the target's choices (made here,
-    node by node, for a verifier with logits processors or one that chooses per row)."""
-    state, tree, logits = row.reply.state, row.tree, row.logits
-    processed: dict[int, mx.array] = {}
-
-    def choose_processed(node: int) -> int:
-        context = state.tokens + [tree.tokens[n] for n in tree.path(node)]
-        one = state.verifier.process(logits[node : node + 1], context, NONE)
-        processed[node] = one
-        position = len(state.tokens) + 1 + tree.depths[node]
-        return state.verifier.choices(one, [position]).item()
-
-    path, after = walk(tree, choose_processed if choices is None else choices.__getitem__)
-    if processed:
-        path_logits = mx.concatenate([processed[node] for node in path])
-    else:
-        path_logits = logits[mx.array(path)]
-    if row.drafted:
-        state.proposer.verified(tree, path)
-    tokens = [tree.tokens[node] for node in path]
-    accepted = len(path) - 1
-    return Commit(tokens[1:] + [after], path_logits, accepted, len(tree) - 1, tree=True), path
-
-
-def _record(
-    row: Row,
-    pending: Pending,
-    started: float,
-    accepted: int,
-    queued: Pending | None = None,
-    path: list[int] | None = None,
-) -> None:
-    """Tell the policy that planned the row what it verified, accepted and cost (the cost
-    once per cycle: a policy that planned rows before this one in it gets None)."""
-    seconds = time.perf_counter() - started + pending.launching
-    if queued is not None:
-        seconds -= queued.launching
-    if any(other.policy is row.policy for other in pending.rows[: pending.rows.index(row)]):
-        seconds = None
-    if row.tree is None:
-        row.policy.record(Cycle(row.size - 1, accepted, seconds))
-    else:
-        probabilities = row.tree.probabilities()
-        row.policy.record(Cycle(len(row.tree) - 1, accepted, seconds, probabilities, path))
 
 
 def drop(pending: Pending, reply: Reply) -> None:

@@ -1,7 +1,8 @@
 """What proposes draft tokens to a cycle: a drafter, the prompt lookup, or nothing.
 
 A cycle asks the rows' proposers for chains (`chains`: tokens after each row's last
-committed one, and their log-probabilities for speculative sampling) or trees (`trees`),
+committed one, and their log-probabilities for speculative sampling) or trees (`trees`), one
+request per row (`ChainRequest`, `TreeRequest`),
 hands them the target's features of the positions each row kept (`observe`, for proposers
 that tap target layers: `layer_ids`), and tells each the tokens committed (`committed`)
 and which of a tree's nodes the target accepted (`verified`). The rows that draft with one
@@ -11,9 +12,11 @@ kind of drafter is one more subclass here; the cycle stays as it is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
-from ..models.draft import Choose, DFlashDraft, TreeScores
+from ..models.draft import Choose, DFlashDraft, DraftChain, DraftTree, TreeScores
 from ..models.target import TargetAdapter
 from ..models.tree import Tree, graft
 from .lookup import ContextLookup
@@ -124,78 +127,76 @@ def by_drafter(proposers: list[Proposer], *keys: list[int]) -> dict[tuple, list[
     return groups
 
 
-def block_rows(roots: list[int | mx.array], length: int, mask: int) -> mx.array:
-    """The drafter's blocks (rows, 1 + length): each root, then `length` mask tokens; a
-    root may be a token (1,) still on the device."""
-    if all(isinstance(root, int) for root in roots):
-        return mx.array([[root] + [mask] * length for root in roots])
-    masks = mx.full((length,), mask)
-    rows = [mx.concatenate([mx.array([r]) if isinstance(r, int) else r, masks]) for r in roots]
-    return rows[0][None] if len(rows) == 1 else mx.stack(rows)
+@dataclass(frozen=True)
+class ChainRequest:
+    """A row's request for a chain: up to `length` drafts after `root` (a token (1,), maybe
+    still on the device) from its `proposer`; `context` is every token up to the root, for
+    logits processors (None without them)."""
+
+    proposer: Proposer
+    root: mx.array
+    length: int
+    context: list[int] | None = None
 
 
-def chains(
-    proposers: list[Proposer],
-    roots: list[int | mx.array],
-    lengths: list[int],
-    contexts: list[list[int] | None],
-) -> list[tuple[mx.array, mx.array | None]]:
-    """Each row's chain of up to `lengths[i]` drafts after `roots[i]` and their
-    log-probabilities q (None unless sampling; a drafter may stop short: a DSpark confidence
-    head); `contexts[i]` is every token up to the root, for logits processors. The rows
+@dataclass(frozen=True)
+class TreeRequest:
+    """A row's request for a tree: up to `budget` draft tokens after `root`, at most `depth`
+    deep, from its `proposer`, ranked by `scores` of the drafter's logits (None: the logits
+    themselves)."""
+
+    proposer: Proposer
+    root: int
+    depth: int
+    budget: int
+    scores: TreeScores | None = None
+
+
+def block_rows(roots: list[mx.array], length: int, mask: int) -> mx.array:
+    """The drafter's blocks (rows, 1 + length): each root (a token (1,), maybe still on the
+    device), then `length` mask tokens."""
+    masks = mx.full((length,), mask, dtype=roots[0].dtype)
+    return mx.stack([mx.concatenate([root, masks]) for root in roots])
+
+
+def chains(requests: list[ChainRequest]) -> list[tuple[mx.array, mx.array | None]]:
+    """Each row's chain of up to `length` drafts after its root and their log-probabilities
+    q (None unless sampling; a drafter may stop short: a DSpark confidence head). The rows
     drafting with one drafter module share one drafter forward (`DFlashDraft.propose`)."""
-    out: list = [None] * len(proposers)
-    groups = by_drafter(proposers)
-    if sum(map(len, groups.values())) < len(proposers):
+    out: list = [None] * len(requests)
+    groups = by_drafter([r.proposer for r in requests])
+    if sum(map(len, groups.values())) < len(requests):
         raise ValueError("this proposer drafts no chains: use a block size of 1")
     for members in groups.values():
-        drafters = [proposers[i].drafting for i in members]
+        rows = [requests[i] for i in members]
+        drafters = [r.proposer.drafting for r in rows]
         first = drafters[0]
-        blocks = block_rows(
-            [roots[i] for i in members], max(lengths[i] for i in members), first.mask
-        )
-        proposed = first.draft.propose(
-            blocks,
-            first.embed,
-            first.head,
-            [d.cache for d in drafters],
-            [d.choose for d in drafters],
-            [contexts[i] for i in members],
-            [lengths[i] for i in members],
-        )
+        blocks = block_rows([r.root for r in rows], max(r.length for r in rows), first.mask)
+        drafting = [
+            DraftChain(d.cache, d.choose, r.length, r.context) for d, r in zip(drafters, rows)
+        ]
+        proposed = first.draft.propose(blocks, first.embed, first.head, drafting)
         for i, chain in zip(members, proposed):
             out[i] = chain
     return out
 
 
-def trees(
-    proposers: list[Proposer],
-    roots: list[int],
-    depths: list[int],
-    budgets: list[int],
-    scores: list[TreeScores | None],
-) -> list[Tree]:
-    """Each row's tree of up to `budgets[i]` draft tokens after `roots[i]`, at most
-    `depths[i]` deep, ranked by `scores[i]` of the drafter's logits (None: the logits
-    themselves), then grafted by its proposer (`Proposer.graft`: the prompt lookup's). The
-    rows drafting with one drafter module to one depth share one drafter forward
-    (`DFlashDraft.trees`); a row without a drafter starts from its root alone."""
-    out = [Tree([root], [-1], [0]) for root in roots]
-    for (_, depth), members in by_drafter(proposers, depths).items():
-        drafters = [proposers[i].drafting for i in members]
+def trees(requests: list[TreeRequest]) -> list[Tree]:
+    """Each row's tree as it requests, then grafted by its proposer (`Proposer.graft`: the
+    prompt lookup's). The rows drafting with one drafter module to one depth share one
+    drafter forward (`DFlashDraft.trees`); a row without a drafter starts from its root
+    alone."""
+    out = [Tree([r.root], [-1], [0]) for r in requests]
+    groups = by_drafter([r.proposer for r in requests], [r.depth for r in requests])
+    for (_, depth), members in groups.items():
+        rows = [requests[i] for i in members]
+        drafters = [r.proposer.drafting for r in rows]
         first = drafters[0]
-        drafted = first.draft.trees(
-            [roots[i] for i in members],
-            depth,
-            first.embed,
-            first.head,
-            [d.cache for d in drafters],
-            [budgets[i] for i in members],
-            [scores[i] for i in members],
-        )
+        drafting = [DraftTree(r.root, d.cache, r.budget, r.scores) for d, r in zip(drafters, rows)]
+        drafted = first.draft.trees(depth, first.embed, first.head, drafting)
         for i, tree in zip(members, drafted):
             out[i] = tree
-    return [p.graft(tree, d, b) for p, tree, d, b in zip(proposers, out, depths, budgets)]
+    return [r.proposer.graft(tree, r.depth, r.budget) for r, tree in zip(requests, out)]
 
 
 def observe(proposers: list[Proposer], features: mx.array, kept: list[int | list[int]]) -> None:

@@ -30,7 +30,7 @@ from ..models.draft import DFlashDraft
 from ..models.rows import batchable
 from ..models.target import TargetAdapter
 from . import cycle, proposers
-from .cycle import Commit, Pending, Reply
+from .cycle import Commit, Pending, Reply, Root, RowRequest
 from .plan import FIRST, FixedPlan, Policy, resolve_width
 
 T = TypeVar("T")
@@ -181,11 +181,11 @@ class Batch:
             if commit.finish:
                 self.remove(reply)
             else:
-                going_on.append((reply, commit.tokens[-1], commit.queued))
+                going_on.append((reply, Root.known(commit.tokens[-1]), commit.queued))
                 commit.queued = None
         for reply, _ in prefilled:
             reply.started = now
-            going_on.append((reply, reply.prompt[-1], None))
+            going_on.append((reply, Root.known(reply.prompt[-1]), None))
         self._launch(going_on)
 
     def _each(self, work: Callable[..., T], calls: list[tuple]) -> list[tuple[Reply, T]]:
@@ -222,9 +222,9 @@ class Batch:
         [(_, commit)] = cycle.settle(pending, reply.started, self._launch_next)
         return commit
 
-    def _launch_next(self, reply: Reply, root: int | mx.array) -> Pending:
+    def _launch_next(self, reply: Reply, root: Root) -> Pending:
         """The reply's next cycle alone, after `root` (a token maybe still on the device)."""
-        return cycle.launch([(reply, root, self._policy(reply, 1))])
+        return cycle.launch([RowRequest(reply, root, self._policy(reply, 1))])
 
     def _policy(self, reply: Reply, rows: int) -> Policy:
         """What plans the reply's row in a cycle of `rows` rows: `FIRST` while its prompt's
@@ -258,7 +258,7 @@ class Batch:
             reply.state.proposer.committed(commit.tokens)
         return commit
 
-    def _launch(self, going_on: list[tuple[Reply, int, Pending | None]]) -> None:
+    def _launch(self, going_on: list[tuple[Reply, Root, Pending | None]]) -> None:
         """The next cycle of every reply going on, after its root: one cycle shared by those
         that may share (`_shares`) when there are several, each of the others its own (a
         queued one launched already). Where the shared one fails to launch, its replies are
@@ -270,11 +270,11 @@ class Batch:
             for reply, root, queued in sharing:
                 if queued:
                     cycle.drop(queued, reply)
-                rows.append((reply, root, self._policy(reply, len(sharing))))
+                rows.append(RowRequest(reply, root, self._policy(reply, len(sharing))))
             try:
                 self.shared = cycle.launch(rows)
             except Exception:
-                alone = [(reply, root) for reply, root, _ in rows]
+                alone = [(row.reply, row.root) for row in rows]
             going_on = [row for row in going_on if row not in sharing]
         for reply, root, queued in going_on:
             if queued:  # launched as its cycle settled
@@ -283,7 +283,7 @@ class Batch:
                 alone.append((reply, root))
         self._each(self._launch_alone, alone)
 
-    def _launch_alone(self, reply: Reply, root: int) -> None:
+    def _launch_alone(self, reply: Reply, root: Root) -> None:
         reply.pending = self._launch_next(reply, root)
 
     @staticmethod

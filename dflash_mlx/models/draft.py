@@ -75,6 +75,31 @@ Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
 TreeScores = Callable[[mx.array, list[int] | None], mx.array]
 
 
+@dataclass(frozen=True)
+class DraftChain:
+    """One row of a drafter forward that drafts a chain: the row's context `cache`, the
+    `choose` that picks its drafts (a `Verifier.propose`), how many it wants (`length`), and
+    the committed tokens up to its root (`context`, which logits processors see; None
+    without them)."""
+
+    cache: list[KVCache]
+    choose: Choose
+    length: int
+    context: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One row of a drafter forward that drafts a tree: its `root` token, its context
+    `cache`, up to `budget` nodes, ranked by `scores` of the drafter's logits (None: the
+    logits themselves)."""
+
+    root: int
+    cache: list[KVCache]
+    budget: int
+    scores: TreeScores | None = None
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Spread the tapped target layers from layer 1 to num_target_layers - 3, as published."""
     if num_draft_layers == 1:
@@ -692,64 +717,58 @@ class DFlashDraft(nn.Module):
         blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
-        caches: list[list[KVCache]],
-        chooses: list[Choose],
-        contexts: list[list[int] | None],
-        lengths: list[int],
+        rows: list[DraftChain],
     ) -> list[tuple[mx.array, mx.array | None]]:
-        """Each row's first `lengths[i]` draft tokens after `blocks[i, 0]` (blocks: rows of
+        """Each row's first `length` draft tokens after `blocks[i, 0]` (blocks: rows of
         [root, mask, ...]) and their log-probabilities, from one drafter forward, row i over
-        its own context `caches[i]` and proposed by its own `chooses[i]`.
+        its own context cache and proposed by its own `choose`.
 
         `choose` (a `Verifier.propose`) maps rows of scores to (ids, log q or None).
-        DFlash 1 applies it to the logits, after the committed tokens `contexts[i]`
+        DFlash 1 applies it to the logits, after the row's committed tokens `context`
         (which logits processors see); DFlash 2 to each step of the selector's walk,
         whose log q (over the candidates, not the vocabulary, so unprocessed) keeps
         speculative sampling exact.
         """
-        rows = list(zip(chooses, contexts, lengths))
+        caches = [row.cache for row in rows]
         if "candidate_selector" not in self:
             logits = self.draft_logits(blocks, embed, lm_head, caches)
-            return [choose(logits[i, :n], context) for i, (choose, context, n) in enumerate(rows)]
+            return [row.choose(logits[i, : row.length], row.context) for i, row in enumerate(rows)]
         hidden = self.mask_hidden(blocks, embed, caches)
         logits = self.head_logits(hidden, lm_head)
         walk = self.candidate_selector.walk
         return [
-            walk(hidden[i, :n], logits[i, :n], blocks[i, 0], choose)
-            for i, (choose, _, n) in enumerate(rows)
+            walk(hidden[i, : row.length], logits[i, : row.length], blocks[i, 0], row.choose)
+            for i, row in enumerate(rows)
         ]
 
     def trees(
         self,
-        roots: list[int],
         depth: int,
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
-        caches: list[list[KVCache]],
-        budgets: list[int],
-        scores: list[TreeScores | None],
+        rows: list[DraftTree],
     ) -> list[Tree]:
-        """Each row's `budgets[i]` most likely continuations of `roots[i]`, up to `depth`
-        tokens deep (`tree.py`), from one drafter forward. DFlash 1 ranks each position's
-        tokens apart (over the head's own columns), by `scores[i]` of its logits if given
+        """Each row's `budget` most likely continuations of its root, up to `depth` tokens
+        deep (`tree.py`), from one drafter forward. DFlash 1 ranks each position's tokens
+        apart (over the head's own columns), by the row's `scores` of its logits if given
         (the coupled rule's perturbed log q); DFlash 2 scores each token given the one
         before, as its selector walks."""
-        blocks = mx.array([[root] + [self.config.mask_token_id] * depth for root in roots])
-        rows = list(zip(roots, budgets, scores))
+        blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
+        caches = [row.cache for row in rows]
         if "candidate_selector" in self:
             hidden = self.mask_hidden(blocks, embed, caches)
             logits = self.head_logits(hidden, head)
             edges = self.candidate_selector.edge_logprobs
             return [
                 build_selector_tree(
-                    root, *ranked_edges(*edges(hidden[i], logits[i], blocks[i, 0])), budget
+                    row.root, *ranked_edges(*edges(hidden[i], logits[i], blocks[i, 0])), row.budget
                 )
-                for i, (root, budget, _) in enumerate(rows)
+                for i, row in enumerate(rows)
             ]
         logits = self.draft_logits(blocks, embed, head.rows, caches)
         return [
-            rank_tree(root, logits[i], head.token_ids, budget, score)
-            for i, (root, budget, score) in enumerate(rows)
+            rank_tree(row.root, logits[i], head.token_ids, row.budget, row.scores)
+            for i, row in enumerate(rows)
         ]
 
 

@@ -49,12 +49,12 @@ from .cycle_costs import FIXED_CYCLE_COSTS, backend, interpolated_cost
 from .draft import (
     MLP,
     BlockContext,
-    Choose,
     DFlashConfig,
     DFlashDraft,
     DraftAttention,
+    DraftChain,
     DraftHead,
-    TreeScores,
+    DraftTree,
     rank_tree,
 )
 from .tree import Tree, build_selector_tree, ranked_edges
@@ -405,20 +405,17 @@ class DSparkDraft(DFlashDraft):
         blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
-        caches: list[list[KVCache]],
-        chooses: list[Choose],
-        contexts: list[list[int] | None],
-        lengths: list[int],
+        rows: list[DraftChain],
     ) -> list[tuple[mx.array, mx.array | None]]:
-        """Up to `lengths[i]` drafts after each row's root and their log q, as
+        """Up to `length` drafts after each row's root and their log q, as
         `DFlashDraft.propose`: one drafter forward, then per row the Markov walk's choices,
         cut where the confidence head says to stop verifying."""
-        hidden = self.slot_hidden(blocks, embed, caches)
+        hidden = self.slot_hidden(blocks, embed, [row.cache for row in rows])
         logits = self.head_logits(hidden, lm_head)
         cut = "confidence_head" in self and self.verify_cost is not None
         proposed, confidences = [], []
-        for i, (choose, context, n) in enumerate(zip(chooses, contexts, lengths)):
-            root = blocks[i, :1]
+        for i, row in enumerate(rows):
+            root, n, choose, context = blocks[i, :1], row.length, row.choose, row.context
             if "markov_head" not in self:
                 tokens, logq = choose(logits[i, :n], context)
             else:
@@ -472,34 +469,30 @@ class DSparkDraft(DFlashDraft):
 
     def trees(
         self,
-        roots: list[int],
         depth: int,
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
-        caches: list[list[KVCache]],
-        budgets: list[int],
-        scores: list[TreeScores | None],
+        rows: list[DraftTree],
     ) -> list[Tree]:
-        """Each row's `budgets[i]` best continuations of `roots[i]` as the Markov walk scores
-        them, from one drafter forward: a node's children from its slot's logits plus the
-        bias of the node's own token (one read). Without a Markov head the slots' logits rank
-        apart, by `scores[i]` of them if given (`DFlashDraft.trees`); with one, each node's
+        """Each row's `budget` best continuations of its root as the Markov walk scores them,
+        from one drafter forward: a node's children from its slot's logits plus the bias of
+        the node's own token (one read). Without a Markov head the slots' logits rank apart,
+        by the row's `scores` of them if given (`DFlashDraft.trees`); with one, each node's
         children are ranked by the walk's own."""
-        blocks = mx.array([[root] + [self.config.mask_token_id] * depth for root in roots])
-        hidden = self.slot_hidden(blocks, embed, caches)
-        rows = list(zip(roots, budgets, scores))
+        blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
+        hidden = self.slot_hidden(blocks, embed, [row.cache for row in rows])
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
             return [
-                rank_tree(root, logits[i], head.token_ids, budget, score)
-                for i, (root, budget, score) in enumerate(rows)
+                rank_tree(row.root, logits[i], head.token_ids, row.budget, row.scores)
+                for i, row in enumerate(rows)
             ]
         if self.config.markov_head_type == "rnn":
             raise ValueError("a DSpark drafter with an rnn Markov head drafts chains, not trees")
         logits = self.head_logits(hidden, head).astype(mx.float32)
         return [
-            self.markov_tree(root, hidden[i], logits[i], budget)
-            for i, (root, budget, _) in enumerate(rows)
+            self.markov_tree(row.root, hidden[i], logits[i], row.budget)
+            for i, row in enumerate(rows)
         ]
 
     def markov_tree(self, root: int, hidden: mx.array, logits: mx.array, budget: int) -> Tree:

@@ -38,7 +38,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import backends
-from .draft import Choose, DraftHead, TreeScores, rank_tree
+from .draft import DraftChain, DraftHead, DraftTree, rank_tree
 from .loading import (
     cast_model,
     default_dtype,
@@ -364,24 +364,22 @@ class MTPDraft(nn.Module):
         blocks: mx.array,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
-        caches: list[MTPRow],
-        chooses: list[Choose],
-        contexts: list[list[int] | None],
-        lengths: list[int],
+        rows: list[DraftChain],
     ) -> list[tuple[mx.array, mx.array | None]]:
-        """Each row's chain of `lengths[i]` drafts after its root (`blocks[i, 0]`; the rest
-        of a block is unread) and their log-probabilities, row i's drafts chosen by
-        `chooses[i]` (a `Verifier.propose`) after `contexts[i]` and the drafts before."""
-        drafted: list[list[mx.array]] = [[] for _ in caches]
-        logqs: list[list[mx.array]] = [[] for _ in caches]
-        contexts = [None if c is None else list(c) for c in contexts]
+        """Each row's chain of `length` drafts after its root (`blocks[i, 0]`; the rest of a
+        block is unread) and their log-probabilities, chosen by the row's `choose` (a
+        `Verifier.propose`) after its `context` and the drafts before. A row's `cache` is its
+        `MTPRow`."""
+        drafted: list[list[mx.array]] = [[] for _ in rows]
+        logqs: list[list[mx.array]] = [[] for _ in rows]
+        contexts = [None if row.context is None else list(row.context) for row in rows]
 
         def pick(step: int, logits: mx.array) -> mx.array:
-            for i, choose in enumerate(chooses):
-                if step >= lengths[i]:  # a shorter chain: its steps past the end are unread
+            for i, row in enumerate(rows):
+                if step >= row.length:  # a shorter chain: its steps past the end are unread
                     drafted[i].append(drafted[i][-1])
                     continue
-                token, logq = choose(logits[i, :1], contexts[i])
+                token, logq = row.choose(logits[i, :1], contexts[i])
                 drafted[i].append(token)
                 if logq is not None:
                     logqs[i].append(logq)
@@ -389,36 +387,35 @@ class MTPDraft(nn.Module):
                     contexts[i].append(token.item())
             return mx.stack([d[-1] for d in drafted])
 
-        self.chain(blocks[:, :1], embed, lm_head, caches, max(lengths), pick)
+        steps = max(row.length for row in rows)
+        self.chain(blocks[:, :1], embed, lm_head, [row.cache for row in rows], steps, pick)
         return [
-            (mx.concatenate(d[:n]), mx.concatenate(q) if q else None)
-            for d, q, n in zip(drafted, logqs, lengths)
+            (mx.concatenate(d[: row.length]), mx.concatenate(q) if q else None)
+            for d, q, row in zip(drafted, logqs, rows)
         ]
 
     def trees(
         self,
-        roots: list[int],
         depth: int,
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
-        caches: list[MTPRow],
-        budgets: list[int],
-        scores: list[TreeScores | None],
+        rows: list[DraftTree],
     ) -> list[Tree]:
-        """Each row's `budgets[i]` most likely continuations of `roots[i]`, up to `depth`
-        deep, from the MTP layers' top-k at each step of their greedy chain (each depth's
-        tokens ranked apart, as the DFlash drafter's, by `scores[i]` of the logits if given)."""
+        """Each row's `budget` most likely continuations of its root, up to `depth` deep, from
+        the MTP layers' top-k at each step of their greedy chain (each depth's tokens ranked
+        apart, as the DFlash drafter's, by the row's `scores` of the logits if given)."""
         logits = []
 
         def pick(step: int, step_logits: mx.array) -> mx.array:
             logits.append(step_logits)
             return mx.argmax(step_logits, axis=-1)
 
-        self.chain(mx.array(roots)[:, None], embed, head, caches, depth, pick)
-        rows = mx.concatenate(logits, axis=1)
+        roots = mx.array([row.root for row in rows])[:, None]
+        self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
+        scored = mx.concatenate(logits, axis=1)
         return [
-            rank_tree(root, rows[i], head.token_ids, budget, score)
-            for i, (root, budget, score) in enumerate(zip(roots, budgets, scores))
+            rank_tree(row.root, scored[i], head.token_ids, row.budget, row.scores)
+            for i, row in enumerate(rows)
         ]
 
 

@@ -20,6 +20,10 @@ forward's, are 2-3x cheaper there than through OpenBLAS, which copies the whole
 weight matrix on every call. Everything else goes on to OpenBLAS. Set
 DFLASH_MLX_NO_FEW_ROWS=1 to bind OpenBLAS alone.
 
+How many threads each product takes, and whether it splits at all, is chosen by its measured
+cost (`threads.h`): a product split over both cores of a machine where another process keeps
+one busy waits for the thread that shares that core. DFLASH_MLX_THREADS=n takes up to n instead.
+
 Both thread pools are told to sleep, not spin, while they wait for work (`QUIET_THREADS`,
 unless the environment sets them, or sets GOMP_SPINCOUNT): OpenMP's idle threads otherwise
 spin a while after each product and OpenBLAS's ~0.1 s after each call (a verify forward's
@@ -56,6 +60,7 @@ _reason = "not attempted"
 _kernel: str | None = None
 _kernel_reason = "not attempted"
 _spinning = ""  # why idle OpenMP threads still spin, where they do
+THREADED = "in front"  # the kernel's state where it runs on OpenMP's threads
 
 # Idle threads sleep at once instead of spinning (OpenBLAS: 2**4 cycles instead of 2**28).
 QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
@@ -122,7 +127,7 @@ def _kernel_library() -> ctypes.CDLL | None:
         _kernel_reason = f"not built: {exc}"
         return None
     _kernel = str(path)
-    _kernel_reason = "in front" if threaded else "in front, on one thread (no OpenMP)"
+    _kernel_reason = THREADED if threaded else "in front, on one thread (no OpenMP)"
     return library
 
 
@@ -150,11 +155,38 @@ def _compile(compiler: str, flags: list[str], path: Path) -> None:
     native.build(path, lambda out, _: [[compiler, *flags, "-o", out, str(KERNEL_SOURCE)]])
 
 
+def calls_by_threads() -> list[int]:
+    """How many of this process's few-row products took 1, 2, ... threads (the last entry: 16
+    or more); empty where the kernel is not in front."""
+    if _kernel is None:
+        return []
+    calls = (ctypes.c_long * 16)()
+    ctypes.CDLL(_kernel).dflash_sgemm_calls_by_threads(calls, 16)
+    return list(calls)
+
+
+def force_threads(n: int) -> None:
+    """From now on every few-row product takes up to `n` threads (0: as measured), as
+    DFLASH_MLX_THREADS=n would have had it from the start: for benchmarks that compare the
+    settings side by side in one process."""
+    if _kernel is not None:
+        ctypes.CDLL(_kernel).dflash_sgemm_force_threads(n)
+
+
+def threads_setting() -> str:
+    """How the kernels choose their threads, in words."""
+    forced = os.environ.get("DFLASH_MLX_THREADS", "")
+    if forced.isdigit() and int(forced) > 0:
+        return f"threads: up to {forced} (DFLASH_MLX_THREADS)"
+    return "threads chosen by measured cost"
+
+
 def active_blas() -> str:
     """Which BLAS MLX's CPU matmuls use, in words (for `dflash-mlx info`)."""
     if _active:
         spinning = f"; {_spinning}" if _spinning else ""
-        return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}{spinning}"
+        threads = f", {threads_setting()}" if _kernel_reason == THREADED else ""
+        return f"OpenBLAS ({_active}); few-row kernel {_kernel_reason}{threads}{spinning}"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return f"MLX bundled reference BLAS ({_reason})"

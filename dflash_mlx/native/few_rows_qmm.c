@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "threads.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -63,11 +65,12 @@ static inline __attribute__((always_inline)) void accumulate(int G, int J, int n
     }
 }
 
-/* A thread per 4M weight elements (an LM head's product), up to OpenMP's count: a layer's
- * products take well under a millisecond on one thread, and on a shared, loaded machine a
- * second thread costs more in waiting for a core than it saves (a 16-position SmolLM2 forward
- * took 3-6x longer with a thread per 64K elements, as few_rows_sgemm.c has). */
-static int thread_count(int N, int K) {
+/* The most threads a product takes: one per 4M weight elements (an LM head's product), up to
+ * OpenMP's count; how many it takes is measured (threads.h). A layer's products take well
+ * under a millisecond on one thread (a 16-position SmolLM2 forward on a shared, loaded machine
+ * took 3-6x longer with a thread per 64K elements, as few_rows_sgemm.c has, before the count
+ * was measured). */
+static int most_threads(int N, int K) {
   long threads = (long)N * K / (1L << 22);
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
@@ -93,7 +96,10 @@ int dflash_qmm_rows(int M, int N, int K, int bits, int group, const float *const
     for (int k = 0; k < K; k++)
       lanes[((long)k * G + m / LANES) * LANES + m % LANES] = rows[m][(long)k * x_step];
   long row_bytes = (long)K * bits / 8, groups = K / group;
-  int tiles = (N + BJ - 1) / BJ, threads = thread_count(N, K);
+  threads_choice choice; /* a kind per product shape and row count */
+  long kind = ((long)N << 36) | ((long)K << 8) | (M << 2) | (bits >> 2);
+  int tiles = (N + BJ - 1) / BJ;
+  int threads = threads_for(kind, most_threads(N, K), (double)N * K, &choice);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int n0 = t * BJ, J = N - n0 < BJ ? N - n0 : BJ;
@@ -118,6 +124,10 @@ int dflash_qmm_rows(int M, int N, int K, int bits, int group, const float *const
     for (int j = 0; j < J; j++)
       for (int m = 0; m < M; m++) out[(long)m * N + n0 + j] = acc[m / LANES][j][m % LANES];
   }
+  threads_done(&choice);
   free(packed);
   return 1;
 }
+
+void dflash_qmm_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_qmm_force_threads(int n) { force_threads(n); }

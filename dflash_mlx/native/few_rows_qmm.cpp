@@ -16,6 +16,8 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 
 extern "C" {
+void dflash_qmm_calls_by_threads(long *out, int n);
+void dflash_qmm_force_threads(int n);
 int dflash_qmm_max_rows(void);
 int dflash_qmm_rows(int M, int N, int K, int bits, int group, const float *const *rows,
                     long x_step, const uint32_t *w, const float *scales, const float *biases,
@@ -99,9 +101,20 @@ mx::array few_rows_quantized_matmul(const mx::array &x, const mx::array &w,
       {x, contiguous(w), contiguous(scales), contiguous(biases)});
 }
 
+// How many calls took 1, 2, ... threads (the last entry: 16 or more).
+std::vector<long> calls_by_threads() {
+  std::vector<long> calls(16);
+  dflash_qmm_calls_by_threads(calls.data(), 16);
+  return calls;
+}
+
 }  // namespace
 
 NB_MODULE(_few_rows_qmm, m) {
+  m.def("force_threads", &dflash_qmm_force_threads, nb::arg("n"),
+        "Every call takes up to n threads from now on (0: as measured).");
+  m.def("calls_by_threads", &calls_by_threads,
+        "How many calls took 1, 2, ... threads (the last entry: 16 or more).");
   m.def("max_rows", &dflash_qmm_max_rows, "The most rows of x one product takes.");
   m.def("quantized_matmul", &few_rows_quantized_matmul, nb::arg("x"), nb::arg("w"),
         nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"),

@@ -16,6 +16,8 @@
  */
 #include <stdlib.h>
 #include <string.h>
+
+#include "threads.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -91,13 +93,23 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
     }
 }
 
-/* A thread per 256 KB of the large operand (B rows of K), up to OpenMP's count. */
-static int thread_count(int B, int K) {
+/* The most threads a product takes: one per 256 KB of the large operand (B rows of K), up to
+ * OpenMP's count; how many it takes is measured (threads.h). */
+static int most_threads(int B, int K) {
   long threads = (long)B * K / 65536;
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
 #endif
   return (int)threads;
+}
+
+/* A product's kind for threads.h: its kernel (dots or columns), rows of the small operand
+ * (1, 2, 3-4, 5-8, ...), K and B to its two leading bits (a weight's rows, or a growing KV
+ * cache's keys, which change kind only now and then). */
+static long product_kind(int columns, int S, int B, int K) {
+  int shift = 30 - __builtin_clz(B) > 0 ? 30 - __builtin_clz(B) : 0;
+  return ((long)(B >> shift) << 50) | ((long)shift << 44) | ((long)K << 8) |
+         ((32 - __builtin_clz(S)) << 1) | columns;
 }
 
 #if LANES == 16 || defined(__AVX2__) /* where it was measured: not NEON */
@@ -144,7 +156,9 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
   for (int i = 0; i < S; i++)
     for (int k = 0; k < K; k++)
       lanes[((long)G * k + i / LANES) * LANES + i % LANES] = small[(long)i * lds + k];
-  int tiles = (B + BJ - 1) / BJ, threads = thread_count(B, K);
+  threads_choice choice;
+  int tiles = (B + BJ - 1) / BJ;
+  int threads = threads_for(product_kind(1, S, B, K), most_threads(B, K), (double)B * K, &choice);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int j0 = BJ * t, J = B - j0 < BJ ? B - j0 : BJ;
@@ -163,6 +177,7 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
         *o = beta == 0.0f ? alpha * s : alpha * s + beta * *o;
       }
   }
+  threads_done(&choice);
   free(packed);
   return 1;
 }
@@ -176,7 +191,10 @@ static void dots(int S, int B, int K, const float *small, int lds, const float *
       column_dots(S, B, K, small, lds, big, ldb, alpha, beta, out, si, sj))
     return;
 #endif
-  int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width, threads = thread_count(B, K);
+  threads_choice choice;
+  int width = S == 1 ? 4 : TILE, tiles = (B + width - 1) / width;
+  int threads = threads_for(product_kind(0, S, B, K), most_threads(B, K),
+                            (double)B * K * (S + 3) / 4, &choice);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int j = width * t, J = B - j < width ? B - j : width;
@@ -199,6 +217,7 @@ static void dots(int S, int B, int K, const float *small, int lds, const float *
         tile(R, J, K, a, lds, b, ldb, alpha, beta, o, si, sj, 0);
     }
   }
+  threads_done(&choice);
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
@@ -216,3 +235,6 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
   }
   fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
+
+void dflash_sgemm_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_sgemm_force_threads(int n) { force_threads(n); }

@@ -37,9 +37,14 @@ def cpu_features() -> str:
     return next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
 
 
+HEADERS = (Path(__file__).with_name("threads.h"),)  # included by every kernel's C source
+
+
 def cached_path(name: str, key: list[str]) -> Path:
-    """Where the library `name` built from `key` (sources, compiler, flags) lives for this CPU."""
-    text = "\0".join([*key, platform.machine(), cpu_features()])
+    """Where the library `name` built from `key` (sources, compiler, flags) and the shared
+    `HEADERS` lives for this CPU."""
+    headers = [h.read_text() for h in HEADERS]
+    text = "\0".join([*key, *headers, platform.machine(), cpu_features()])
     return cache_dir() / "kernels" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
 
 

@@ -7,14 +7,16 @@
  * scores, their running maximum, the exps (a Cephes polynomial, cpu_math.py's) and their sums
  * all run over vectors of rows with no horizontal sums or transposes, and every key and value
  * is read once for all of its group's rows. Keys go a tile at a time (flash attention's
- * running maximum and rescaling); over many keys a KV head's keys are split between threads
- * and the partial sums merged. Keys and values are read through their strides (a view of a
- * preallocated KV cache is not copied). Built and called by verify_attention.cpp, an MLX
- * primitive (cpu_attention.py).
+ * running maximum and rescaling); over many keys a KV head's keys are split into tasks, taken
+ * by as many threads as pay (threads.h), and the partial sums merged. Keys and values are read
+ * through their strides (a view of a preallocated KV cache is not copied). Built and called by
+ * verify_attention.cpp, an MLX primitive (cpu_attention.py).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "threads.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -173,9 +175,17 @@ static int partial(const problem *p, int b, int kvh, int s0, int s1, const vec *
   return 1;
 }
 
-/* A thread per 8M multiply-adds of scores, up to OpenMP's count: a short context's attention
- * is over in well under a millisecond, less than a second thread costs on a loaded machine. */
-static int thread_count(const problem *p) {
+/* A task per 4M multiply-adds of scores, whatever the threads: a short context's attention is
+ * one task per KV head (it is over in well under a millisecond). The split, and so the sums'
+ * order, depends on the problem alone, not on how many threads take the tasks. */
+static int task_count(const problem *p) {
+  long tasks = (long)p->B * p->H * p->L * p->S * p->D / (1L << 22);
+  return tasks < 1 ? 1 : tasks > 64 ? 64 : (int)tasks;
+}
+
+/* The most threads it takes: one per 8M multiply-adds, up to OpenMP's count; how many it takes
+ * is measured (threads.h). */
+static int most_threads(const problem *p) {
   long threads = (long)p->B * p->H * p->L * p->S * p->D / (1L << 23);
 #ifdef _OPENMP
   if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
@@ -196,8 +206,7 @@ int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, 
   if ((long)B * H * L * Dv == 0) return 1;
   problem p = {B, H, Hkv, L, S, D, Dv, scale, q, k, v, qs, ks, vs, mask, ms, causal && !mask};
   int G = H / Hkv, R = G * L, RV = (R + LANES - 1) / LANES, heads = B * Hkv;
-  int threads = thread_count(&p);
-  int splits = threads > 1 ? (2 * threads + heads - 1) / heads : 1;
+  int splits = (task_count(&p) + heads - 1) / heads;
   if (splits > S / MIN_SPLIT) splits = S / MIN_SPLIT > 1 ? S / MIN_SPLIT : 1;
   int span = (S + splits - 1) / splits, tasks = heads * splits;
   long per_task = (long)RV * (2 + Dv);
@@ -219,6 +228,9 @@ int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, 
     }
   }
   int failed = 0;
+  threads_choice choice; /* a kind per (query rows, heads, dimension, keys to a power of 2) */
+  long kind = ((long)R << 40) | ((long)heads << 24) | (D << 8) | (32 - __builtin_clz(S));
+  int threads = threads_for(kind, most_threads(&p), (double)tasks * span, &choice);
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1) \
     reduction(| : failed)
   for (int t = 0; t < tasks; t++) {
@@ -232,6 +244,7 @@ int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, 
       for (int u = 0; u < RV; u++) part[u] = splat(START);
     }
   }
+  threads_done(&choice);
   for (int h = 0; h < heads && !failed; h++) {
     const vec *first = parts + (long)h * splits * per_task;
     float *head_out = out + ((long)h / Hkv * H + (long)(h % Hkv) * G) * L * Dv;
@@ -258,3 +271,6 @@ int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, 
   free(parts);
   return !failed;
 }
+
+void dflash_attention_calls_by_threads(long *out, int n) { calls_by_threads_into(out, n); }
+void dflash_attention_force_threads(int n) { force_threads(n); }

@@ -4,6 +4,7 @@
 // (cpu_attention.py builds and loads it).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <vector>
@@ -17,6 +18,8 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 
 extern "C" {
+void dflash_attention_calls_by_threads(long *out, int n);
+void dflash_attention_force_threads(int n);
 int dflash_verify_attention(int B, int H, int Hkv, int L, int S, int D, int Dv, float scale,
                             const float *q, const long *qs, const float *k, const long *ks,
                             const float *v, const long *vs, const unsigned char *mask,
@@ -93,9 +96,20 @@ mx::array verify_attention(const mx::array &q, const mx::array &k, const mx::arr
                    std::make_shared<VerifyAttention>(stream, scale, causal && !mask), inputs);
 }
 
+// How many calls took 1, 2, ... threads (the last entry: 16 or more).
+std::vector<long> calls_by_threads() {
+  std::vector<long> calls(16);
+  dflash_attention_calls_by_threads(calls.data(), 16);
+  return calls;
+}
+
 }  // namespace
 
 NB_MODULE(_verify_attention, m) {
+  m.def("force_threads", &dflash_attention_force_threads, nb::arg("n"),
+        "Every call takes up to n threads from now on (0: as measured).");
+  m.def("calls_by_threads", &calls_by_threads,
+        "How many calls took 1, 2, ... threads (the last entry: 16 or more).");
   m.def("verify_attention", &verify_attention, nb::arg("queries"), nb::arg("keys"),
         nb::arg("values"), nb::arg("scale"), nb::arg("mask").none(), nb::arg("causal"),
         "Scaled dot-product attention of float32 queries over a KV cache, on the CPU.");
