@@ -36,6 +36,7 @@ from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
 from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models import mtp
+from dflash_mlx.models.draft import DraftChain
 from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.serve import Worker
@@ -323,9 +324,9 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     calls = []
     propose = MTPDraft.propose
 
-    def recorded(self, blocks, embed, lm_head, rows, chooses, contexts, lengths):
-        before = [row.tokens + [blocks[0, 0].item()] for row in rows]
-        out = propose(self, blocks, embed, lm_head, rows, chooses, contexts, lengths)
+    def recorded(self, blocks, embed, lm_head, rows):
+        before = [row.cache.tokens + [blocks[0, 0].item()] for row in rows]
+        out = propose(self, blocks, embed, lm_head, rows)
         calls.append((before[0], out[0][0].tolist()))
         return out
 
@@ -336,6 +337,10 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     assert len(calls) > 10
     for sequence, chain in calls:
         assert chain == chain_from_scratch(model, draft, name, sequence, len(chain)), len(sequence)
+
+
+def requests(rows, chooses, lengths) -> list[DraftChain]:
+    return [DraftChain(row, choose, n) for row, choose, n in zip(rows, chooses, lengths)]
 
 
 def greedy_choose(logits, context=None):
@@ -364,10 +369,7 @@ def test_rows_drafted_together_equal_each_drafted_alone(checkpoints):
             mx.array([[sequence[consumed]]]),
             target.embed_tokens,
             target.lm_head,
-            rows,
-            [greedy_choose],
-            [None],
-            [2],
+            requests(rows, [greedy_choose], [2]),
         )
         state.tokens = sequence[:length]
         draft.append_context(features(sequence[:length])[:, consumed:], rows)
@@ -381,10 +383,7 @@ def test_rows_drafted_together_equal_each_drafted_alone(checkpoints):
             roots[i : i + 1],
             target.embed_tokens,
             target.lm_head,
-            [MTPRow(copy.deepcopy(s))],
-            [greedy_choose],
-            [None],
-            [n],
+            requests([MTPRow(copy.deepcopy(s))], [greedy_choose], [n]),
         )[0]
         for i, (s, n) in enumerate(zip(states, lengths))
     ]
@@ -392,10 +391,7 @@ def test_rows_drafted_together_equal_each_drafted_alone(checkpoints):
         roots,
         target.embed_tokens,
         target.lm_head,
-        [MTPRow(s) for s in states],
-        [greedy_choose] * 3,
-        [None] * 3,
-        lengths,
+        requests([MTPRow(s) for s in states], [greedy_choose] * 3, lengths),
     )
     for (tokens, logq), (solo_tokens, solo_logq) in zip(together, alone):
         assert tokens.tolist() == solo_tokens.tolist()
@@ -525,10 +521,7 @@ def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
         mx.array([[root]]),
         target.embed_tokens,
         target.lm_head,
-        [MTPRow(state)],
-        [greedy_choose],
-        [None],
-        [5],
+        requests([MTPRow(state)], [greedy_choose], [5]),
     )
     assert ours.tolist() == theirs[0].tolist()
 
@@ -628,8 +621,8 @@ def test_a_failed_choice_leaves_every_rows_cache_as_it_was(checkpoints):
 
     args = (mx.array([[sequence[30]]]), target.embed_tokens, target.lm_head)
     with pytest.raises(ValueError, match="a processor failed"):
-        draft.propose(*args, rows, [failing], [None], [4])
+        draft.propose(*args, requests(rows, [failing], [4]))
     assert state.draft[0].offset == 30 and state.draft[0].layers[0].offset == 0
-    again = draft.propose(*args, rows, [greedy_choose], [None], [4])[0][0]
-    fresh = draft.propose(*args, [MTPRow(before)], [greedy_choose], [None], [4])[0][0]
+    again = draft.propose(*args, requests(rows, [greedy_choose], [4]))[0][0]
+    fresh = draft.propose(*args, requests([MTPRow(before)], [greedy_choose], [4]))[0][0]
     assert again.tolist() == fresh.tolist()
