@@ -324,20 +324,23 @@ def run_data(args: argparse.Namespace, work: Path) -> None:
         prompts = build_prompts(args.num_prompts, args.seed)
     elif source.is_file():  # checked before anything is loaded
         prompts = conversation_prompts(source)
+        kept = [p["record"] for p in prompts if "record" in p]
+        if kept:  # token ids already: no target needed
+            added = import_records(kept, work / "replies.jsonl")
+            print(f"{added} stored replies added -> {work / 'replies.jsonl'}")
+        prompts = [p for p in prompts if "record" not in p]
+        if not prompts:
+            return
     model, tokenizer = load_target(args)
     if source is not None and source.is_dir():
         import_recorded(source, model, work / "replies.jsonl")
         return
-    kept = [p["record"] for p in prompts if "record" in p]
-    if kept:
-        added = import_records(kept, work / "replies.jsonl")
-        print(f"{added} stored replies added -> {work / 'replies.jsonl'}")
     texts = [p for p in prompts if "text" in p]
     if texts:
         records = [r for item in texts for r in text_records(tokenizer, item)]
         added = import_records(records, work / "replies.jsonl")
         print(f"{added} windows of {len(texts)} texts added -> {work / 'replies.jsonl'}")
-    prompts = [p for p in prompts if "text" not in p and "record" not in p]
+    prompts = [p for p in prompts if "text" not in p]
     if not prompts:
         return
     extend_dataset(
@@ -348,7 +351,7 @@ def run_data(args: argparse.Namespace, work: Path) -> None:
 def import_recorded(source: Path, model, path: Path) -> None:
     """Take the replies a server recorded into `source`, if the same target wrote them."""
     from ..models.target import TargetAdapter
-    from .data import import_records
+    from .data import import_records, read_records
 
     meta = source / "meta.json"
     if not (source / "replies.jsonl").exists():
@@ -361,7 +364,7 @@ def import_recorded(source: Path, model, path: Path) -> None:
                 f"--from {source}: its replies are token ids of a target with a vocabulary of "
                 f"{recorded}, this one has {vocab}: give the --model that served them"
             )
-    added = import_records(source, path)
+    added = import_records(read_records(source / "replies.jsonl"), path)
     print(f"{added} recorded replies added -> {path}")
 
 

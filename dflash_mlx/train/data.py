@@ -235,12 +235,8 @@ def text_records(
     return records
 
 
-def import_records(source: Path | list[dict], path: Path) -> int:
-    """Append the records of `source` (a `serve --record` directory, a records file, or the
-    records themselves) that `path` lacks; how many were added."""
-    if isinstance(source, Path):
-        source = read_records(source / "replies.jsonl" if source.is_dir() else source)
-    records = source
+def import_records(records: list[dict], path: Path) -> int:
+    """Append the `records` that `path` lacks (by id); how many were added."""
     done = {r["id"] for r in read_records(path)}
     new = [r for r in records if r["id"] not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
