@@ -53,9 +53,10 @@ def test_a_recorded_server_run_is_a_directory_the_trainer_reads(make_pair, tmp_p
 
 def test_recording_is_off_unless_asked(make_pair, tmp_path, monkeypatch):
     """A server without --record writes no reply anywhere: not in its working directory,
-    not in the cache directory."""
+    not in its cache directory (one of its own, so that other runs' data cannot change)."""
     target, draft = make_pair(MODEL)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
 
     def kept() -> dict:  # every records file there may be, with its size and time
         files = [*tmp_path.rglob("replies.jsonl"), *cache_dir().rglob("replies.jsonl")]
