@@ -1,8 +1,9 @@
 """The target's own MTP layers as the drafter (`--draft mtp`): tiny random Qwen3.5, Qwen3.5-MoE
 and Qwen3-Next checkpoints with `mtp.*` tensors, and GLM-4.5, DeepSeek-V3 and GLM-5 ones with
-a nextn layer, in the published names, loaded from the target's own safetensors; greedy replies equal to mlx-lm's at several block sizes; every chain
-equal to the MTP layer run from scratch over the whole sequence; shared cycles with per-row
-acceptance, each reply equal to its solo reply; refusals in one line."""
+a nextn layer, in the published names, loaded from the target's own safetensors; greedy
+replies equal to mlx-lm's at several block sizes; every chain equal to the MTP layer run from
+scratch over the whole sequence; shared cycles with per-row acceptance, each reply equal to
+its solo reply; refusals in one line."""
 
 import copy
 import json

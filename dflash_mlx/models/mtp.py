@@ -3,10 +3,11 @@
 Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, DeepSeek-V3, GLM-4.5 to
 4.7 and GLM-5 a nextn layer after their last (`LAYOUTS`; GLM-5's attends sparsely, as its
 target's layers, its indexer's keys cached beside the latents): DeepSeek-V3's recipe of one
-more decoder layer of the target's own kind. DeepSeek-V4.1's MTP block is refused (`REFUSED`). At position p it reads the target's final hidden state h_p
-(after the target's last norm) and the embedding of the token after it, x_{p+1}, each
-RMS-normed, concatenated and projected (`fc`), through the layer (full attention over its own
-KV cache of every position) and a norm; the target's LM head on the result predicts x_{p+2}.
+more decoder layer of the target's own kind. DeepSeek-V4.1's MTP block is refused (`REFUSED`).
+At position p it reads the target's final hidden state h_p (after the target's last norm) and
+the embedding of the token after it, x_{p+1}, each RMS-normed, concatenated and projected
+(`fc`), through the layer (attention over its own KV cache of every position) and a norm; the
+target's LM head on the result predicts x_{p+2}.
 A chain runs it k times: each step reads the last step's output as its hidden state and the
 token that step drafted. A tree takes each step's top-k along the greedy chain.
 
