@@ -486,6 +486,29 @@ def test_a_family_whose_mtp_block_cannot_run_is_refused_in_one_line(tmp_path):
     assert out.returncode == 0 and f"no: {why}" in out.stdout, out.stdout
 
 
+def test_bench_measures_the_mtp_layers_and_says_so(checkpoints, tmp_path):
+    """`bench --draft mtp` runs the target's MTP layers beside mlx-lm's decoding, equal to it,
+    times their drafts in the cycle split, and names MTP in what it prints."""
+    path, _, _, _, _ = checkpoints("qwen3_next")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):", "The quick brown fox"]))
+    out = tmp_path / "bench.json"
+    command = (
+        f"bench --model {path} --draft mtp --max-tokens 24 --block-size 3 --prompts {prompts} "
+        f"--out {out} --plot {tmp_path / 'bench.png'}"
+    )
+    run = dflash_in_process(command)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["system"] == "MTP"
+    assert results["config"]["draft"] == "the target's MTP layers"
+    overall = results["overall"]
+    assert overall["identical"] == overall["prompts"] == 2
+    assert overall["acceptance"]["per_position"] and overall["split_ms"]["draft"] > 0
+    assert overall["split_ms"]["context"] > 0
+    assert "MTP tok/s" in run.stdout and "MTP cycles" in run.stdout and "DFlash" not in run.stdout
+
+
 @pytest.mark.parametrize("setting", [dict(tree_budget=6), dict()])
 def test_trees_from_the_top_k_and_the_default_strategy_are_lossless(checkpoints, setting):
     """A target that verifies trees (glm4_moe: plain KV caches) takes trees of the MTP layers'
