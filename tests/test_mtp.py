@@ -45,6 +45,8 @@ from dflash_mlx import (
 )
 from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
+from dflash_mlx.decode.adaptive import Plan
+from dflash_mlx.decode.plan import FixedPlan
 from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models import mtp
 from dflash_mlx.models.draft import DraftChain
@@ -522,11 +524,13 @@ def test_trees_from_the_top_k_and_the_default_strategy_are_lossless(checkpoints,
         assert drafting.chains == 0
 
 
-def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypatch):
-    """Four concurrent requests to a target whose caches share forwards (glm4_moe) verify in
-    shared cycles, each row accepting its own drafts (no uniform acceptance across the
-    batch), and each reply is the one it gets alone."""
-    _, model, tokenizer, draft, _ = checkpoints("glm4_moe")
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_5", "qwen3_next"])
+def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypatch, name):
+    """Four concurrent requests verify in shared cycles, each row accepting its own drafts
+    (no uniform acceptance across the batch), and each reply is the one it gets alone: on
+    plain KV caches (glm4_moe) and on recurrent ones (Qwen3.5, Qwen3-Next: each row's state
+    rolled back as far as that row rejected)."""
+    _, model, tokenizer, draft, _ = checkpoints(name)
     settled = []
     settle = cycle.settle
 
@@ -539,6 +543,7 @@ def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypat
     prompts = [PROMPT, *(prompt_of(len(PROMPT), seed) for seed in range(1, 4))]
     requests = [{"prompt": p, "max_tokens": 40} for p in prompts]
     worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=40), max_batch=4)
+    worker.batch.widths.policy = lambda reply, rows: FixedPlan(Plan(3))  # shared: 3 drafts a row
     with serving(worker) as port:
         alone = [answer(port, **r) for r in requests]
         together = burst(worker, port, requests, send=answer)
