@@ -84,13 +84,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) 
         "--kernels", default="auto", choices=KERNEL_BACKENDS, help="drafter kernels"
     )
     add_draft_window_argument(parser)
-    parser.add_argument(
-        "--mtp-bits",
-        type=int,
-        choices=[2, 3, 4, 5, 6, 8],
-        help="with --draft mtp: quantize the MTP layers to this many bits (default: as the "
-        "checkpoint stores them; quantized MTP layers may be accepted much less)",
-    )
+    add_mtp_bits_argument(parser)
     parser.add_argument(
         "--max-tokens", "-m", type=int, default=max_tokens, help="most tokens to generate"
     )
@@ -169,6 +163,16 @@ def add_draft_window_argument(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="drafter attends to the last N context positions only (default: the drafter's "
         "own, where its config sets one; 0: the whole context)",
+    )
+
+
+def add_mtp_bits_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mtp-bits",
+        type=int,
+        choices=[2, 3, 4, 5, 6, 8],
+        help="with --draft mtp: quantize the MTP layers to this many bits (default: as the "
+        "checkpoint stores them; quantized MTP layers may be accepted much less)",
     )
 
 

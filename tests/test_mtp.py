@@ -1,8 +1,9 @@
 """The target's own MTP layers as the drafter (`--draft mtp`): tiny random Qwen3.5, Qwen3.5-MoE
-and Qwen3-Next checkpoints with `mtp.*` tensors in the published names, loaded from the
-target's own safetensors; greedy replies equal to mlx-lm's at several block sizes; every chain
-equal to the MTP layer run from scratch over the whole sequence; shared cycles with per-row
-acceptance, each reply equal to its solo reply; refusals in one line."""
+and Qwen3-Next checkpoints with `mtp.*` tensors, and GLM-4.5, DeepSeek-V3 and GLM-5 ones with
+a nextn layer, in the published names, loaded from the target's own safetensors; greedy
+replies equal to mlx-lm's at several block sizes; every chain equal to the MTP layer run from
+scratch over the whole sequence; shared cycles with per-row acceptance, each reply equal to
+its solo reply; refusals in one line."""
 
 import copy
 import json
@@ -17,10 +18,20 @@ import numpy as np
 import pytest
 from helpers import build_tokenizer, reference_greedy
 from mlx.utils import tree_flatten
-from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_5_moe, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from test_cli import decode_greedy, detokenized, dflash_in_process
-from test_families import BASE, DEEPSEEK_V3, FAMILIES, PROMPT, build, first_difference, prompt_of
+from test_families import (
+    BASE,
+    DEEPSEEK_V3,
+    DEEPSEEK_V41,
+    FAMILIES,
+    GLM_DSA,
+    PROMPT,
+    build,
+    first_difference,
+    prompt_of,
+)
 from test_sampling import SIGNIFICANCE, chi2_pvalue, exact_marginals, sample_runs
 from test_server import serving
 from test_server_batch import answer, burst
@@ -34,6 +45,8 @@ from dflash_mlx import (
 )
 from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
+from dflash_mlx.decode.adaptive import Plan
+from dflash_mlx.decode.plan import FixedPlan
 from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models import mtp
 from dflash_mlx.models.draft import DraftChain
@@ -65,8 +78,11 @@ MTP_FAMILIES = {
     "glm4_moe": (glm4_moe, GLM4_MOE),
     # mlx-lm drops DeepSeek-V3's nextn layer by its published index, 61: as many dense layers
     "deepseek_v3": (deepseek_v3, dict(DEEPSEEK_V3, num_hidden_layers=61, first_k_dense_replace=61)),
+    # GLM-5: DeepSeek-V3.2's sparse attention (an indexer picks 48 keys a query) in its nextn
+    # layer too, whose cache holds the indexer's keys beside the MLA latents
+    "glm_moe_dsa": (glm_moe_dsa, GLM_DSA),
 }
-NEXTN_FAMILIES = ("glm4_moe", "deepseek_v3")
+NEXTN_FAMILIES = ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
 NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm"}
 MODULES = {"qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next}
 
@@ -243,7 +259,7 @@ def save_mtp_target(path, name: str, seed: int = 0):
         weights = hugging_face_layout(weights)
     if model_type == "qwen3_5_moe":  # and Qwen3.5 MoE as published, beside Qwen3.5 as converted
         weights = hugging_face_layout(weights, fused=True)
-    if model_type == "deepseek_v3":  # the nextn layer's MLA projection as published
+    if model_type in ("deepseek_v3", "glm_moe_dsa"):  # their nextn layers' MLA as published
         weights = published_mla(weights, config)
     if model_type in NEXTN_FAMILIES:  # the nextn layer's experts one by one, as published
         weights = {
@@ -285,7 +301,9 @@ def generated(model, draft, tokenizer, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("block_size", [3, 5, 8])
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe", "glm_moe_dsa"]
+)
 def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
     _, model, tokenizer, draft, expected = checkpoints(name)
     tokens, responses = generated(
@@ -315,7 +333,9 @@ def chain_from_scratch(model, draft, name: str, sequence: list[int], length: int
     return chain
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5", "qwen3_next", "glm4_moe", "deepseek_v3", "glm_moe_dsa"]
+)
 def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, monkeypatch):
     """The cache bookkeeping (waiting features, entries of the target's hidden states only,
     the steps' entries trimmed, a long prompt run ahead in chunks) drafts what the layer drafts
@@ -335,6 +355,8 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     tokens, _ = generated(model, draft, tokenizer, PROMPT, block_size=4, max_tokens=32)
     assert tokens == expected[:32]
     assert len(calls) > 10
+    if name == "glm_moe_dsa":  # the later chains' queries see more keys than the indexer keeps
+        assert max(len(sequence) for sequence, _ in calls) > GLM_DSA["index_topk"] + 5
     for sequence, chain in calls:
         assert chain == chain_from_scratch(model, draft, name, sequence, len(chain)), len(sequence)
 
@@ -448,6 +470,47 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
         assert rows["MTP layers"].startswith(said), rows
 
 
+def test_a_family_whose_mtp_block_cannot_run_is_refused_in_one_line(tmp_path):
+    """DeepSeek-V4.1's checkpoints name an MTP block (`mtp.*`) this drafter cannot run: generate
+    refuses it in one line naming why, and info says so."""
+    build_tokenizer(tmp_path)
+    model = build("deepseek_v41")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {"model_type": "deepseek_v41", **DEEPSEEK_V41, "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    why = "target model type 'deepseek_v41' has no MTP drafter here: its MTP block"
+    out = dflash_in_process(f"generate --model {tmp_path} --draft mtp -p x")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("dflash-mlx generate: error: ") and why in last, out.stderr
+    assert "hyper-connection streams" in last
+    out = dflash_in_process(f"info --model {tmp_path}")
+    assert out.returncode == 0 and f"no: {why}" in out.stdout, out.stdout
+
+
+def test_bench_measures_the_mtp_layers_and_says_so(checkpoints, tmp_path):
+    """`bench --draft mtp` runs the target's MTP layers beside mlx-lm's decoding, equal to it,
+    times their drafts in the cycle split, and names MTP in what it prints."""
+    path, _, _, _, _ = checkpoints("qwen3_next")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):", "The quick brown fox"]))
+    out = tmp_path / "bench.json"
+    command = (
+        f"bench --model {path} --draft mtp --max-tokens 24 --block-size 3 --prompts {prompts} "
+        f"--out {out} --plot {tmp_path / 'bench.png'}"
+    )
+    run = dflash_in_process(command)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["system"] == "MTP"
+    assert results["config"]["draft"] == "the target's MTP layers"
+    overall = results["overall"]
+    assert overall["identical"] == overall["prompts"] == 2
+    assert overall["acceptance"]["per_position"] and overall["split_ms"]["draft"] > 0
+    assert overall["split_ms"]["context"] > 0
+    assert "MTP tok/s" in run.stdout and "MTP cycles" in run.stdout and "DFlash" not in run.stdout
+
+
 @pytest.mark.parametrize("setting", [dict(tree_budget=6), dict()])
 def test_trees_from_the_top_k_and_the_default_strategy_are_lossless(checkpoints, setting):
     """A target that verifies trees (glm4_moe: plain KV caches) takes trees of the MTP layers'
@@ -461,11 +524,13 @@ def test_trees_from_the_top_k_and_the_default_strategy_are_lossless(checkpoints,
         assert drafting.chains == 0
 
 
-def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypatch):
-    """Four concurrent requests to a target whose caches share forwards (glm4_moe) verify in
-    shared cycles, each row accepting its own drafts (no uniform acceptance across the
-    batch), and each reply is the one it gets alone."""
-    _, model, tokenizer, draft, _ = checkpoints("glm4_moe")
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_5", "qwen3_next"])
+def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypatch, name):
+    """Four concurrent requests verify in shared cycles, each row accepting its own drafts
+    (no uniform acceptance across the batch), and each reply is the one it gets alone: on
+    plain KV caches (glm4_moe) and on recurrent ones (Qwen3.5, Qwen3-Next: each row's state
+    rolled back as far as that row rejected)."""
+    _, model, tokenizer, draft, _ = checkpoints(name)
     settled = []
     settle = cycle.settle
 
@@ -478,6 +543,7 @@ def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypat
     prompts = [PROMPT, *(prompt_of(len(PROMPT), seed) for seed in range(1, 4))]
     requests = [{"prompt": p, "max_tokens": 40} for p in prompts]
     worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=40), max_batch=4)
+    worker.batch.widths.policy = lambda reply, rows: FixedPlan(Plan(3))  # shared: 3 drafts a row
     with serving(worker) as port:
         alone = [answer(port, **r) for r in requests]
         together = burst(worker, port, requests, send=answer)
@@ -548,7 +614,7 @@ def test_sampled_replies_follow_the_targets_distribution(checkpoints, setting):
         assert chi2_pvalue(np.array([t[k] for t in tokens]), expected[k]) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe", "glm_moe_dsa"])
 def test_a_prompt_cache_carries_the_mtp_layers_across_turns(checkpoints, name):
     """A turn that extends the cached one goes on from the MTP layer's entries; one that
     parts from it inside them starts afresh (an entry holds the token after its position);

@@ -1,4 +1,5 @@
-"""Benchmark DFlash against mlx-lm's own decoding, on the same target and prompts.
+"""Benchmark DFlash (or the target's own MTP layers, `--draft mtp`) against mlx-lm's own
+decoding, on the same target and prompts.
 
 python -m dflash_mlx.cli.bench --limit 6 --max-tokens 64 --out bench.json --plot bench.png
 
@@ -34,8 +35,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache as make_target_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -45,15 +46,17 @@ from ..decode.prompt_cache import PromptCache, make_prompt_cache
 from ..decode.sampling import RULES
 from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
-from ..models.checkpoint import init_draft, load_draft
+from ..models.checkpoint import MTP, init_draft, load_draft
 from ..models.distributed import Lockstep, is_rank0, share, world_group
 from ..models.draft import KERNEL_BACKENDS, DFlashDraft
 from ..models.loading import DTYPES, KEEP_CHECKPOINT
+from ..models.mtp import MTPDraft, MTPRow
 from ..models.target import TargetAdapter, load
 from ..native.blas import active_blas
 from ..native.swaps import swapped
 from ..options import (
     add_draft_window_argument,
+    add_mtp_bits_argument,
     add_rank_timeout_argument,
     add_trust_remote_code_argument,
 )
@@ -74,9 +77,9 @@ RANDOM_DRAFTER_WARNING = (
     "tau and speedups mean nothing; only its costs are real"
 )
 NOTE = (
-    "tok/s, TTFT and speedups come from a clean pass (AR and DFlash interleaved per prompt); "
-    "the cycle split comes from a separate instrumented DFlash pass that forces evaluation "
-    "inside each timed call (so its cycles are slower than the clean pass's)."
+    "tok/s, TTFT and speedups come from a clean pass (AR and speculative decoding interleaved "
+    "per prompt); the cycle split comes from a separate instrumented pass that forces "
+    "evaluation inside each timed call (so its cycles are slower than the clean pass's)."
 )
 
 
@@ -135,9 +138,15 @@ def _eval_output(out: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _eval_cache(out: Any, args: tuple, kwargs: dict) -> None:
-    """`append_context` returns nothing: its work is the K/V it writes to the cache."""
-    caches = args[1] if len(args) > 1 else kwargs["caches"]
-    mx.eval([c.state for cache in caches for c in cache])
+    """`append_context` returns nothing: its work is what it writes to each row's caches (a
+    DFlash row's K/V caches, an MTP row's waiting features)."""
+    rows = args[1] if len(args) > 1 else kwargs.get("caches", kwargs.get("rows"))
+    mx.eval([c.state for row in rows for c in ([row.cache] if isinstance(row, MTPRow) else row)])
+
+
+def _eval_drafts(out: Any, args: tuple, kwargs: dict) -> None:
+    """The MTP layers' chains (token and log q arrays) or trees (read already)."""
+    mx.eval([a for _, a in tree_flatten(out) if isinstance(a, mx.array)])
 
 
 def _no_sync(out: Any, args: tuple, kwargs: dict) -> None:
@@ -277,39 +286,38 @@ def divergence(
 def verify_cost(
     model: nn.Module, context: list[int], sizes: list[int], reps: int = VERIFY_REPS
 ) -> dict[str, float]:
-    """Median ms of one target forward over `n` new positions after `context`, per n."""
-    cache = make_target_cache(model)
-    mx.eval(model(mx.array(context)[None], cache=cache))
+    """Median ms of one target forward over `n` new positions after `context`, per n, each
+    rolled back as a rejected block is (caches a trim cannot roll back included)."""
+    target = TargetAdapter(model)
+    cache = target.make_cache()
+    mx.eval(target.forward(mx.array(context)[None], [cache], prompt=True).logits)
     costs = {}
     for n in sizes:
         x = mx.array((context * n)[:n])[None]
         times = []
         for _ in range(reps + 1):
             tic = time.perf_counter()
-            mx.eval(model(x, cache=cache))
+            mx.eval(target.forward(x, [cache]).logits)
             times.append(time.perf_counter() - tic)
-            for c in cache:
-                c.trim(n)
+            target.rollback(cache, n)
         costs[str(n)] = 1e3 * statistics.median(times[1:])
     return costs
 
 
 def instrumented(
-    model: nn.Module, draft: DFlashDraft, generate: Callable[[PromptCache], Callable]
+    model: nn.Module, draft: DFlashDraft | MTPDraft, generate: Callable[[PromptCache], Callable]
 ) -> tuple[Run, Stopwatch]:
-    """One DFlash generation with the drafter, target and target caches timed per call."""
+    """One speculative generation with the drafter, target and target caches timed per call."""
     watch = Stopwatch()
     cache = make_prompt_cache(model, draft)
+    drafting = (
+        {"propose": ("draft", _eval_drafts), "trees": ("draft", _eval_drafts)}
+        if isinstance(draft, MTPDraft)
+        else {"draft_logits": ("draft", _eval_output)}
+    )
     with ExitStack() as stack:
         stack.enter_context(
-            timed(
-                draft,
-                watch,
-                {
-                    "draft_logits": ("draft", _eval_output),
-                    "append_context": ("context", _eval_cache),
-                },
-            )
+            timed(draft, watch, {**drafting, "append_context": ("context", _eval_cache)})
         )
         stack.enter_context(timed(model, watch, {"__call__": ("verify", _eval_output)}))
         for c in cache.target:
@@ -321,7 +329,7 @@ def instrumented(
 def bench(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
-    draft: DFlashDraft,
+    draft: DFlashDraft | MTPDraft,
     prompts: list[dict[str, str]],
     *,
     block_size: int | None = None,
@@ -440,6 +448,7 @@ def report(results: dict[str, Any]) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     cfg, overall = results["config"], results["overall"]
+    system = cfg.get("system", "DFlash")
     console.print(
         f"[bold]target[/] {cfg['model']}  [bold]drafter[/] {cfg['draft']}  "
         f"[bold]block[/] {cfg['block_size']}  [bold]max tokens[/] {cfg['max_tokens']}  "
@@ -448,7 +457,7 @@ def report(results: dict[str, Any]) -> None:
     console.print(f"[dim]{results['note']}[/]")
     baseline = "ar" in overall
     table = Table(title="Per prompt (decode tok/s after the first token | end-to-end tok/s)")
-    for name in ("prompt", "in", "out", "AR tok/s", "DFlash tok/s", "speedup", "τ", "TTFT ms"):
+    for name in ("prompt", "in", "out", "AR tok/s", f"{system} tok/s", "speedup", "τ", "TTFT ms"):
         table.add_column(name, justify="left" if name == "prompt" else "right")
     if baseline:
         table.add_column("identical to AR")
@@ -484,10 +493,10 @@ def report(results: dict[str, Any]) -> None:
         + "  ".join(f"{k}:{rate:.2f}" for k, rate in enumerate(rates, 1))
     )
     kinds = overall["cycle_kinds"]
-    console.print("DFlash cycles: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
-    console.print(f"Peak memory: {overall['dflash']['peak_memory_gb']:.3f} GB (DFlash)")
+    console.print(f"{system} cycles: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
+    console.print(f"Peak memory: {overall['dflash']['peak_memory_gb']:.3f} GB ({system})")
     if "split_ms" in overall:
-        split = Table(title="DFlash cycle split (instrumented pass, forced evaluation)")
+        split = Table(title=f"{system} cycle split (instrumented pass, forced evaluation)")
         split.add_column("part")
         split.add_column("ms / cycle", justify="right")
         split.add_column("share", justify="right")
@@ -539,7 +548,7 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
         axes[1].axhline(1.0, color="grey", linewidth=1)
         axes[1].set(
             title=f"Decode speedup over mlx-lm (overall {overall['speedup_decode']:.2f}x)",
-            ylabel="DFlash / AR decode tok/s",
+            ylabel=f"{results['config'].get('system', 'DFlash')} / AR decode tok/s",
         )
         axes[1].tick_params(axis="x", rotation=90)
     fig.suptitle(f"{results['config']['model']} | {results['config']['draft']}", fontsize=9)
@@ -555,8 +564,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft",
         dest="draft",
         metavar="DRAFT_MODEL",
-        help="drafter dir or hub id (default: a random drafter, said on stderr)",
+        help="drafter dir or hub id; 'mtp': the target's own MTP layers (default: a random "
+        "drafter, said on stderr)",
     )
+    add_mtp_bits_argument(parser)
     parser.add_argument(
         "--dtype",
         choices=[*DTYPES, KEEP_CHECKPOINT],
@@ -626,8 +637,14 @@ def run(args: argparse.Namespace) -> None:
         trust_remote_code=args.trust_remote_code,
     )
     if args.draft:
-        draft = load_draft(args.draft, kernels=args.kernels, context_window=args.draft_window)
-        draft_label = args.draft
+        draft = load_draft(
+            args.draft,
+            kernels=args.kernels,
+            context_window=args.draft_window,
+            target=args.model,
+            mtp_bits=args.mtp_bits,
+        )
+        draft_label = "the target's MTP layers" if args.draft == MTP else args.draft
     else:
         mx.random.seed(args.seed)  # the same drafter on every rank
         draft = init_draft(
@@ -674,6 +691,7 @@ def run(args: argparse.Namespace) -> None:
             "draft": draft_label,
             "dtype": args.dtype,
             "random_draft": args.draft is None,
+            "system": "MTP" if isinstance(draft, MTPDraft) else "DFlash",
             "block_size": args.block_size or draft.config.block_size,
             "max_tokens": args.max_tokens,
             "temperature": args.temp,

@@ -116,7 +116,7 @@ def _hooked_class(cls: type) -> type:
                 return cls.__call__(self, *args, **kwargs)
             if id(self) in hooks.checkpointing:
                 for c in (*args, *kwargs.values()):
-                    if isinstance(c, CHECKPOINTED):
+                    if isinstance(c, CHECKPOINTED) or _row_states(c):
                         c.checkpoint(args[0].shape[1], partial(_replay, cls, self, args, kwargs))
             out = cls.__call__(self, *args, **kwargs)
             key = hooks.recorded[id(self)]
@@ -140,9 +140,27 @@ def feature(out: mx.array | tuple) -> mx.array:
     return h.mean(axis=2) if h.ndim == 4 else h
 
 
-def _replay(cls: type, module: nn.Module, args: tuple, kwargs: dict, num_positions: int) -> Any:
-    """Re-run `module` (unhooked) on the first positions of the input it last saw."""
-    return cls.__call__(module, args[0][:, :num_positions], *args[1:], **kwargs)
+def _row_states(cache: Any) -> bool:
+    """Whether `cache` holds several rows' recurrent caches (`rows.RowStates`)."""
+    return any(isinstance(c, CHECKPOINTED) for c in getattr(cache, "caches", None) or ())
+
+
+def _replay(
+    cls: type,
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    num_positions: int,
+    row: int | None = None,
+) -> Any:
+    """Re-run `module` (unhooked) on the first positions of the input it last saw: of row
+    `row` alone, through that row's own cache, where several rows shared the forward."""
+    x, rest = args[0], args[1:]
+    if row is not None:
+        x = x[row : row + 1]
+        rest = tuple(c.caches[row] if _row_states(c) else c for c in rest)
+        kwargs = {k: c.caches[row] if _row_states(c) else c for k, c in kwargs.items()}
+    return cls.__call__(module, x[:, :num_positions], *rest, **kwargs)
 
 
 def features(outputs: dict[Any, mx.array], taps: list[int]) -> mx.array:

@@ -1,11 +1,13 @@
 """The multi-token-prediction (MTP) layers a checkpoint ships beside its target, as a drafter.
 
-Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, DeepSeek-V3 and GLM-4.5
-to 4.7 a nextn layer after their last (`LAYOUTS`): DeepSeek-V3's recipe of one more decoder
-layer of the target's own kind. At position p it reads the target's final hidden state h_p
-(after the target's last norm) and the embedding of the token after it, x_{p+1}, each
-RMS-normed, concatenated and projected (`fc`), through the layer (full attention over its own
-KV cache of every position) and a norm; the target's LM head on the result predicts x_{p+2}.
+Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, DeepSeek-V3, GLM-4.5 to
+4.7 and GLM-5 a nextn layer after their last (`LAYOUTS`; GLM-5's attends sparsely, as its
+target's layers, its indexer's keys cached beside the latents): DeepSeek-V3's recipe of one
+more decoder layer of the target's own kind. DeepSeek-V4.1's MTP block is refused (`REFUSED`).
+At position p it reads the target's final hidden state h_p (after the target's last norm) and
+the embedding of the token after it, x_{p+1}, each RMS-normed, concatenated and projected
+(`fc`), through the layer (attention over its own KV cache of every position) and a norm; the
+target's LM head on the result predicts x_{p+2}.
 A chain runs it k times: each step reads the last step's output as its hidden state and the
 token that step drafted. A tree takes each step's top-k along the greedy chain.
 
@@ -47,6 +49,7 @@ from .loading import (
     resolve_path,
     safetensors,
 )
+from .rollback import CacheGroup, cache_parts
 from .rows import attention as rows_attention
 from .rows import row_caches
 from .tree import Tree
@@ -59,13 +62,17 @@ class Layout:
     Qwen's `mtp.*` (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.i`, `norm`)
     or DeepSeek-V3's nextn layers after the last (`model.layers.{N + i}.*`, with `eh_proj`,
     `enorm`, `hnorm` and `shared_head.norm`; their copies of the target's embedding and
-    head, which they share, are not read)."""
+    head, which they share, are not read). `layer_module` is the module of the layer class
+    where the family's module borrows it; `layer_cache` makes one layer's cache (a sparse
+    attention's MLA latents beside its indexer's keys)."""
 
     module: str
     layer: str
     args: str
     count: str
     nextn: bool = False
+    layer_module: str | None = None
+    layer_cache: Callable[[], Any] = KVCache
 
 
 LAYOUTS = {
@@ -78,6 +85,22 @@ LAYOUTS = {
     "deepseek_v3": Layout(
         "deepseek_v3", "DeepseekV3DecoderLayer", "ModelArgs", "num_nextn_predict_layers", True
     ),
+    "glm_moe_dsa": Layout(  # GLM-5: DeepSeek-V3.2's layer, its indexer's keys cached beside
+        "glm_moe_dsa",
+        "DeepseekV32DecoderLayer",
+        "ModelArgs",
+        "num_nextn_predict_layers",
+        True,
+        layer_module="deepseek_v32",
+        layer_cache=lambda: CacheGroup(KVCache(), KVCache()),
+    ),
+}
+# Families whose checkpoints carry MTP layers this drafter cannot run, and why.
+REFUSED = {
+    "deepseek_v41": "its MTP block (DeepSeek-V4's recipe, `mtp.0.*`: e_proj and h_proj over "
+    "the target's 4 hyper-connection streams, a stream head of its own) reads the residual "
+    "streams before they collapse, and no published implementation defines it for V4.1's "
+    "layers, which collapse by the previous layer's mix (mlx-lm's sanitize drops `mtp.*`)",
 }
 PREFIX = "mtp."
 NEXTN_NAMES = {
@@ -131,8 +154,9 @@ class MTPCache:
     waiting position keeps the feature it needs. Its `offset` is the target's: every position
     either has an entry or waits."""
 
-    def __init__(self, num_layers: int):
-        self.layers = [KVCache() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, layer_cache: Callable[[], Any] = KVCache):
+        self.make_layer = layer_cache
+        self.layers = [layer_cache() for _ in range(num_layers)]
         self.features: mx.array | None = None  # (1, waiting, hidden)
 
     @property
@@ -160,7 +184,7 @@ class MTPCache:
     def trim(self, n: int) -> int:
         if n >= self.offset:
             n = self.offset
-            self.layers = [KVCache() for _ in self.layers]
+            self.layers = [self.make_layer() for _ in self.layers]
             self.features = None
             return n
         if not self.can_trim(n):
@@ -175,12 +199,12 @@ class MTPCache:
     @property
     def state(self) -> list[mx.array]:
         """What evaluating the cache evaluates."""
-        arrays = [a for c in self.layers if c.keys is not None for a in c.state]
+        arrays = [a for c in cache_parts(self.layers) if c.keys is not None for a in c.state]
         return arrays + ([] if self.features is None else [self.features])
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers) + (
+        return sum(c.nbytes for c in cache_parts(self.layers)) + (
             0 if self.features is None else self.features.nbytes
         )
 
@@ -216,7 +240,8 @@ class MTPDraft(nn.Module):
         super().__init__()
         self.config = config
         layout = LAYOUTS[config.model_type]
-        layer = getattr(importlib.import_module(f"mlx_lm.models.{layout.module}"), layout.layer)
+        module = importlib.import_module(f"mlx_lm.models.{layout.layer_module or layout.module}")
+        layer = getattr(module, layout.layer)
         # the MTP layer attends over every position and is an MoE layer where the target's are
         # (a nextn layer by its own index: after the last, past the dense ones)
         index = args.num_hidden_layers if layout.nextn else 0
@@ -237,7 +262,7 @@ class MTPDraft(nn.Module):
         return LAYOUTS[self.config.model_type].nextn
 
     def make_cache(self) -> list[MTPCache]:
-        return [MTPCache(len(self.layers))]
+        return [MTPCache(len(self.layers), LAYOUTS[self.config.model_type].layer_cache)]
 
     def append_context(
         self, features: mx.array, rows: list[MTPRow], counts: list[int] | None = None
@@ -265,7 +290,7 @@ class MTPDraft(nn.Module):
         h = self.fc(h)
         if len(caches) == 1:
             for layer, cache in zip(self.layers, caches[0]):
-                h = layer(h, create_attention_mask(h, cache, return_array=True), cache)
+                h = layer(h, _mask(h, cache), cache)
             return h
         with backends.building(self._row_swaps(tokens.shape[1])):
             for layer, cache in zip(self.layers, row_caches(caches)):
@@ -419,10 +444,19 @@ class MTPDraft(nn.Module):
         ]
 
 
+def _mask(h: mx.array, cache: Any) -> mx.array | None:
+    """The layer's attention mask over its cache (a group's first: the MLA latents)."""
+    return create_attention_mask(h, getattr(cache, "caches", [cache])[0], return_array=True)
+
+
 def mtp_layout(config: dict) -> tuple[str, dict]:
     """The checkpoint's model_type and text config, or a one-line ValueError naming why its
     family has no MTP layers here."""
     model_type = config.get("model_type", "")
+    if model_type in REFUSED:
+        raise ValueError(
+            f"target model type '{model_type}' has no MTP drafter here: {REFUSED[model_type]}"
+        )
     if model_type not in LAYOUTS:
         raise ValueError(
             f"target model type '{model_type}' has no MTP layers dflash-mlx can run "

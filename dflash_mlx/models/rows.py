@@ -19,12 +19,20 @@ A row may verify a tree: its caches then give that tree's mask and the RoPEs put
 row's queries at their own positions (`hooks.hooked`), beside chain rows whose masks are
 causal.
 
-Only targets whose every cache is a plain `KVCache` batch so (`batchable`): recurrent,
-windowed and compressed caches keep state a row-by-row attention cannot reach.
+A recurrent layer (Qwen3.5's and Qwen3-Next's GatedDeltaNet) is handed a `RowStates`: its
+rows' states stacked along the batch, as mlx-lm's mixer runs a batch, each new state split
+back to its row, and each row's `RecurrentCache` checkpointed with a replay of that row's
+own input alone, so that every row rolls back as far as it rejected.
+
+Only targets whose every cache is a plain `KVCache` or a `RecurrentCache` batch so
+(`batchable`): windowed and compressed caches keep state a row-by-row attention cannot
+reach.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +40,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from . import backends
+from .rollback import RecurrentCache
 
 
 class RowMasks(list):
@@ -81,17 +90,53 @@ def attention(
     return mx.concatenate(out)
 
 
+class RowStates:
+    """One recurrent layer's caches of several rows, passed to its mixer as one cache."""
+
+    lengths = None  # mlx-lm's per-row lengths: every row runs all the forward's positions
+
+    def __init__(self, caches: list[RecurrentCache]):
+        self.caches = caches
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        """The rows' states stacked (a row without one yet: zeros, as the mixer starts)."""
+        states = [c[index] for c in self.caches]
+        known = next((s for s in states if s is not None), None)
+        if known is None:
+            return None
+        return mx.concatenate([mx.zeros_like(known) if s is None else s for s in states])
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        for i, c in enumerate(self.caches):
+            c[index] = value[i : i + 1]
+
+    def advance(self, n: int) -> None:
+        for c in self.caches:
+            c.advance(n)
+
+    def make_mask(self, N: int, **kwargs: Any) -> None:
+        return None  # no row is padded
+
+    def checkpoint(self, num_positions: int, replay: Callable[..., Any]) -> None:
+        """Each row's checkpoint, its replay re-running the mixer on that row's input alone."""
+        for i, c in enumerate(self.caches):
+            c.checkpoint(num_positions, partial(replay, row=i))
+
+
 def batchable(cache: list[Any]) -> bool:
     """Whether a reply with these target caches can share a batched forward."""
-    return all(type(c) is KVCache for c in cache)
+    return all(type(c) in (KVCache, RecurrentCache) for c in cache)
 
 
 def row_caches(caches: list[list[Any]]) -> list[RowCaches]:
     """Per layer, the rows' caches (`caches[row][layer]`) as one `RowCaches`; the layers
     share one offsets array where their offsets agree, so RoPE tables are shared too."""
     shared: dict[tuple[int, ...], mx.array] = {}
-    layers = []
+    layers: list[RowCaches | RowStates] = []
     for per_row in zip(*caches):
+        if isinstance(per_row[0], RecurrentCache):
+            layers.append(RowStates(list(per_row)))
+            continue
         offsets = tuple(c.offset for c in per_row)
         if offsets not in shared:
             shared[offsets] = mx.array(offsets, dtype=mx.int32)

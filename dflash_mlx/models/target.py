@@ -434,7 +434,8 @@ class TargetAdapter:
         compiled, and over several positions SwiGLUs and attention take their exps from
         `cpu_math`; on MLX's CUDA backend attention takes the verify kernel over several
         positions (`backends.py`). R > 1 needs caches that can share a forward
-        (`rows.batchable`): projections run over all rows, attention row by row (`rows.py`).
+        (`rows.batchable`): projections run over all rows, attention row by row, recurrent
+        layers over the rows' states stacked (`rows.py`).
         A `prompt` chunk (R = 1) is computed as mlx-lm computes one (its kernels, its masks);
         so are rows without caches (`caches` None: independent sequences from position 0).
         The modules of `checkpointed` checkpoint their caches for `rollback` on every forward.
@@ -450,7 +451,9 @@ class TargetAdapter:
         elif all(rows.batchable(c) for c in caches):
             cache, attention = rows.row_caches(caches), rows.attention
         else:
-            raise ValueError("only targets whose caches are all plain KV caches batch replies")
+            raise ValueError(
+                "only targets whose caches are all plain KV or recurrent caches batch replies"
+            )
         plain = caches is None or (prompt and attention is None)  # mlx-lm's own forward
         swaps = [] if plain else self.verify_swaps(n, attention)
         recorded = self._recorded(taps or [])
