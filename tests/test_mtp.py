@@ -556,7 +556,7 @@ def test_server_shares_mtp_cycles_with_per_row_acceptance(checkpoints, monkeypat
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
 def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
-    """An independent reference: mlx-vlm's Qwen3.5 MTP drafter (installed for this test only)
+    """An independent reference: mlx-vlm's Qwen3.5 MTP drafter (in the test extra only)
     on the same `mtp.*` tensors and target drafts the same chain after a prompt."""
     drafters = pytest.importorskip("mlx_vlm.speculative.drafters.qwen3_5_mtp")
     path, model, _, draft, expected = checkpoints(name)
