@@ -49,7 +49,7 @@ from .loading import (
 )
 from .rows import attention as rows_attention
 from .rows import row_caches
-from .tree import Tree
+from .tree import Drafted
 
 
 @dataclass(frozen=True)
@@ -400,7 +400,7 @@ class MTPDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
         rows: list[DraftTree],
-    ) -> list[Tree]:
+    ) -> list[Drafted]:
         """Each row's `budget` most likely continuations of its root, up to `depth` deep, from
         the MTP layers' top-k at each step of their greedy chain (each depth's tokens ranked
         apart, as the DFlash drafter's, by the row's `scores` of the logits if given)."""
@@ -413,10 +413,7 @@ class MTPDraft(nn.Module):
         roots = mx.array([row.root for row in rows])[:, None]
         self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
         scored = mx.concatenate(logits, axis=1)
-        return [
-            rank_tree(row.root, scored[i], head.token_ids, row.budget, row.scores)
-            for i, row in enumerate(rows)
-        ]
+        return [rank_tree(row, scored[i], head.token_ids) for i, row in enumerate(rows)]
 
 
 def mtp_layout(config: dict) -> tuple[str, dict]:
