@@ -22,9 +22,8 @@ mlx-lm steps is the median of its rounds' ratios (each cycle over the step of it
   graph (`proposers.chains`), and the verify forward with its verdict; `launch` is all of that
   and its bookkeeping, `settle` the commit after the device's answer. The device's work is
   stubbed for the measurement alone: `mx.async_eval` returns at once and the one read of the
-  verdicts (a tree's with its nodes, built on the device) returns zeros, so every chain draft
-  is rejected. What a GPU adds per primitive when it dispatches a graph is not in these
-  figures.
+  verdicts (a tree's with its nodes, built on the device) returns every draft rejected. What
+  a GPU adds per primitive when it dispatches a graph is not in these figures.
 
 `--kernels cpu` (the default) builds the forwards as this CPU runs them (compiled norms and
 RoPEs, `cpu_math`'s exps: more primitives than a GPU's forward); `--kernels none` as a backend
@@ -70,15 +69,19 @@ CASES = {  # what each measured cycle verifies
 @contextmanager
 def device_stubbed(kernels: str) -> Iterator[None]:
     """The device's answers stubbed while a cycle's host work is measured: no evaluation is
-    queued, the verdicts (and a tree's nodes) read as zeros; with `kernels` "none" the
-    forwards are built as on a backend without this package's kernels."""
+    queued, the verdicts (and a tree's nodes) read as every draft rejected; with `kernels`
+    "none" the forwards are built as on a backend without this package's kernels."""
     async_eval, read, current = mx.async_eval, cycle.read_together, backends.current
 
-    def zeros(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
-        return [np.zeros(a.shape, dtype=np.int32) for a in arrays]
+    def rejected(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
+        """Zeros, the last array (a chain's token after its drafts, a tree's choices) -1:
+        every draft rejected, chain or tree."""
+        values = [np.zeros(a.shape, dtype=np.int32) for a in arrays]
+        values[-1] -= 1
+        return values
 
     mx.async_eval = lambda *arrays: None
-    cycle.read_together = zeros
+    cycle.read_together = rejected
     if kernels == "none":
         backends.current = lambda: None
     try:
@@ -103,7 +106,7 @@ def make_reply(model, draft, target: TargetAdapter, settings: GenerationSettings
     lazy_context(cache.target, context, kv)
     cfg = draft.config
     lazy_context(cache.draft, context, lambda n: (1, cfg.num_key_value_heads, n, cfg.head_dim))
-    cache.tokens = list(np.random.default_rng(0).integers(4, 1000, size=context))
+    cache.tokens = np.random.default_rng(0).integers(4, 1000, size=context).tolist()
     plan = resolve(settings, draft, target, cache.target)
     verifier = settings.verifier.for_reply()
     proposer = DrafterProposer(draft, target, cache.draft, verifier.propose)
