@@ -69,7 +69,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from dflash_mlx import GenerationResponse, TargetAdapter, load, load_draft, stream_generate
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.target import TreeShape
-from dflash_mlx.models.tree import ancestor_mask, build_tree, top_candidates
+from dflash_mlx.models.tree import ancestor_mask, ranked_tree
 
 # Published configs (config.json on the hub) of the targets, with the drafter depth of
 # z-lab's DFlash drafter for them (2 for SmolLM2: the project's shipped drafter).
@@ -342,7 +342,7 @@ class CycleCost:
         logits = self.draft.draft_logits(
             self.draft_block, self.target.embed_tokens, self.target.lm_head, [self.draft_cache]
         )[0]
-        return build_tree(self.prompt[-1], *top_candidates(logits, budget), budget)
+        return ranked_tree(mx.array(self.prompt[-1:]), logits, budget).read()
 
     def mlx_lm_step(self, max_tokens: int) -> float:
         responses = mlx_lm.stream_generate(

@@ -21,9 +21,9 @@ mlx-lm steps is the median of its rounds' ratios (each cycle over the step of it
   block 16, a tree of 8 and a plain step (block 1). Within the chain: the plan, the drafter's
   graph (`proposers.chains`), and the verify forward with its verdict; `launch` is all of that
   and its bookkeeping, `settle` the commit after the device's answer. The device's work is
-  stubbed for the measurement alone: `mx.async_eval` returns at once, the one read of the
-  verdicts returns zeros (so every draft is rejected), and a tree's top-k read returns a fixed
-  ranking. What a GPU adds per primitive when it dispatches a graph is not in these figures.
+  stubbed for the measurement alone: `mx.async_eval` returns at once and the one read of the
+  verdicts (a tree's with its nodes, built on the device) returns every draft rejected. What
+  a GPU adds per primitive when it dispatches a graph is not in these figures.
 
 `--kernels cpu` (the default) builds the forwards as this CPU runs them (compiled norms and
 RoPEs, `cpu_math`'s exps: more primitives than a GPU's forward); `--kernels none` as a backend
@@ -56,7 +56,6 @@ from dflash_mlx.decode.prompt_cache import make_prompt_cache
 from dflash_mlx.decode.proposers import DrafterProposer, LookupProposer
 from dflash_mlx.decode.settings import GenerationSettings
 from dflash_mlx.models import backends
-from dflash_mlx.models import draft as draft_module
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.target import TargetAdapter
 
@@ -70,27 +69,25 @@ CASES = {  # what each measured cycle verifies
 @contextmanager
 def device_stubbed(kernels: str) -> Iterator[None]:
     """The device's answers stubbed while a cycle's host work is measured: no evaluation is
-    queued, the verdicts read as zeros, a tree's top-k as a fixed ranking; with `kernels`
+    queued, the verdicts (and a tree's nodes) read as every draft rejected; with `kernels`
     "none" the forwards are built as on a backend without this package's kernels."""
-    async_eval, read, top = mx.async_eval, cycle.read_together, draft_module.top_candidates
-    current = backends.current
+    async_eval, read, current = mx.async_eval, cycle.read_together, backends.current
 
-    def zeros(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
-        return [np.zeros(a.shape, dtype=np.int32) for a in arrays]
-
-    def ranking(logits: mx.array, k: int, token_ids=None) -> tuple[list, list]:
-        depth = logits.shape[0]
-        return [list(range(1, k + 1))] * depth, [[-0.1 * (j + 1) for j in range(k)]] * depth
+    def rejected(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
+        """Zeros, the last array (a chain's token after its drafts, a tree's choices) -1:
+        every draft rejected, chain or tree."""
+        values = [np.zeros(a.shape, dtype=np.int32) for a in arrays]
+        values[-1] -= 1
+        return values
 
     mx.async_eval = lambda *arrays: None
-    cycle.read_together, draft_module.top_candidates = zeros, ranking
+    cycle.read_together = rejected
     if kernels == "none":
         backends.current = lambda: None
     try:
         yield
     finally:
-        mx.async_eval, cycle.read_together, draft_module.top_candidates = async_eval, read, top
-        backends.current = current
+        mx.async_eval, cycle.read_together, backends.current = async_eval, read, current
 
 
 def lazy_context(caches: list, positions: int, like: Callable[[int], tuple]) -> None:
@@ -109,7 +106,7 @@ def make_reply(model, draft, target: TargetAdapter, settings: GenerationSettings
     lazy_context(cache.target, context, kv)
     cfg = draft.config
     lazy_context(cache.draft, context, lambda n: (1, cfg.num_key_value_heads, n, cfg.head_dim))
-    cache.tokens = list(np.random.default_rng(0).integers(4, 1000, size=context))
+    cache.tokens = np.random.default_rng(0).integers(4, 1000, size=context).tolist()
     plan = resolve(settings, draft, target, cache.target)
     verifier = settings.verifier.for_reply()
     proposer = DrafterProposer(draft, target, cache.draft, verifier.propose)

@@ -129,7 +129,8 @@ def launched(monkeypatch):
         trees = [isinstance(row, TreeRow) and len(row.tree) > 1 for row in pending.rows]
         grafted = [
             isinstance(row.reply.state.proposer, LookupProposer)
-            and any(node >= 0 for node in row.reply.state.proposer.nodes)
+            and isinstance(row, TreeRow)
+            and any(node >= 0 for node in row.tree.chain.tolist())
             for row in pending.rows
         ]
         seen.append((len(pending.rows), trees, grafted))

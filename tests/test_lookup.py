@@ -15,7 +15,7 @@ from test_tree import prefixes, run
 
 from dflash_mlx.decode.lookup import PRIORS, ContextLookup
 from dflash_mlx.models.checkpoint import init_draft
-from dflash_mlx.models.tree import Tree, build_tree, graft
+from dflash_mlx.models.tree import Tree, ranked_tree
 
 tokenizer = test_families.tokenizer  # its fixture, shared
 
@@ -85,20 +85,16 @@ def union_best(tree: Tree, chain: list[int], logprobs: list[float], budget: int)
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 3, 8, 20])
 def test_graft_keeps_the_best_nodes_of_tree_and_chain(seed, budget):
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     vocab, depth = 5, 6
-    rows = []
-    for _ in range(depth):
-        logits = [rng.gauss(0, 2) for _ in range(vocab)]
-        norm = math.log(sum(math.exp(x) for x in logits))
-        rows.append(sorted(((x - norm, t) for t, x in enumerate(logits)), reverse=True))
-    tokens = [[t for _, t in row] for row in rows]
-    logprobs = [[x for x, _ in row] for row in rows]
-    tree = build_tree(99, tokens, logprobs, budget)
+    logits = mx.array(rng.normal(0, 2, size=(depth, vocab)), mx.float32)
+    root = mx.array([99])
+    tree = ranked_tree(root, logits, budget).read()
+    best = np.argsort(-np.array(logits), axis=-1)[:, 0].tolist()
     # a chain that runs along the tree's best path for a while, then leaves it
-    chain = [tokens[0][0], tokens[1][0]] + [rng.randrange(vocab) for _ in range(depth - 2)]
-    chain_logprobs = [math.log(rng.uniform(0.05, 0.95)) for _ in chain]
-    grafted, nodes = graft(tree, chain, chain_logprobs, budget)
+    chain = best[:2] + rng.integers(vocab, size=depth - 2).tolist()
+    chain_logprobs = np.log(rng.uniform(0.05, 0.95, size=depth)).tolist()
+    grafted = ranked_tree(root, logits, budget, chain=(chain, chain_logprobs)).read()
     expected = union_best(tree, chain, chain_logprobs, budget)
     assert prefixes(grafted) == set(expected)
     assert len(grafted) == len(expected) + 1 and grafted.tokens[0] == 99
@@ -108,22 +104,16 @@ def test_graft_keeps_the_best_nodes_of_tree_and_chain(seed, budget):
         assert grafted.depths[node] == grafted.depths[parent] + 1
         assert grafted.logprobs[node] <= grafted.logprobs[parent]
         path = tuple(grafted.tokens[n] for n in grafted.path(node)[1:])
-        assert grafted.logprobs[node] == pytest.approx(expected[path])
+        assert grafted.logprobs[node] == pytest.approx(expected[path], abs=1e-5)
     assert grafted.logprobs[1:] == sorted(grafted.logprobs[1:], reverse=True)  # best first
-    for index, node in enumerate(nodes):  # each chain token's node, or -1 if cut
+    assert len(grafted.chain) == len(chain)
+    for index, node in enumerate(grafted.chain):  # each chain token's node, or -1 if cut
         if node >= 0:
             assert tuple(grafted.tokens[n] for n in grafted.path(node)[1:]) == tuple(
                 chain[: index + 1]
             )
         else:
             assert tuple(chain[: index + 1]) not in expected
-    alone, none = graft(tree, [], [], budget)
-    assert (alone.tokens, alone.parents, alone.logprobs, none) == (
-        tree.tokens,
-        tree.parents,
-        tree.logprobs,
-        [],
-    )
 
 
 def simulated_lookup_walk(prompt: list[int], reply: list[int], budget: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Device-to-host reads per cycle: a backend that runs ahead (Metal, CUDA) can queue the
-next cycle only while the host is not waiting on this one, so each cycle reads once
-(a tree drafted by the drafter twice: its candidates, then the target's choices)."""
+next cycle only while the host is not waiting on this one, so each cycle reads once: a
+tree is built on the device and read with the target's choices (twice only where the
+policy fits each drafted tree to its drafter's confidence before verifying it)."""
 
 from collections.abc import Iterator
 
@@ -65,8 +66,11 @@ def test_the_read_counter_sees_reads(reads):
         (dict(block_size=4), 1),  # chain: drafts, accepted count and next token together
         (dict(block_size=1), 1),  # plain steps, each queued before the last is read
         (dict(block_size=4, temperature=0.7), 1),  # speculative sampling, residual on device
-        (dict(tree_budget=4), 2),  # the drafter's candidates; the target's choices
-        (dict(tree_budget=4, prompt_lookup=False), 2),
+        (dict(tree_budget=4), 1),  # the tree, the lookup's chain grafted, with the choices
+        (dict(tree_budget=4, prompt_lookup=False), 1),
+        (dict(tree_budget=4, temperature=0.7), 1),  # the target's samples at the nodes
+        (dict(), 1),  # the default: chains or trees, as measured
+        (dict(tree_budget=4, adaptive=True), 2),  # the tree's probabilities, to fit it
     ],
 )
 def test_each_cycle_reads_the_device_once(loaded, reads, setting, drafted_reads):

@@ -21,7 +21,7 @@ from dflash_mlx.decode.sampling import (
     position_noise,
 )
 from dflash_mlx.models.draft import DFlashDraft
-from dflash_mlx.models.tree import build_tree, top_candidates, walk
+from dflash_mlx.models.tree import ranked_tree, walk
 
 SIGNIFICANCE = 1e-3  # a correct sampler fails each check with this probability
 
@@ -161,7 +161,7 @@ def test_coupled_chains_emit_the_target_distribution():
 
 
 def test_coupled_trees_emit_the_target_distribution():
-    """A tree of the drafter's coupled top-2 per depth (`tree_scores`), walked by the target's
+    """A tree of the drafter's 4 best coupled prefixes (`tree_scores`), walked by the target's
     coupled choice at each node's position: the first token follows p at the root and the
     second, given the first, the target's row after it, tree node or not."""
     rng = np.random.default_rng(1)
@@ -174,8 +174,8 @@ def test_coupled_trees_emit_the_target_distribution():
     firsts, deep = [], 0
     for trial in range(trials):
         verifier = coupled_verifier(trial, 9, vocab)
-        top = top_candidates(verifier.tree_scores(q_log, None), 2)
-        tree = build_tree(vocab, *top, budget=4)  # the root token is outside the vocabulary
+        root = mx.array([vocab])  # the root token is outside the vocabulary
+        tree = ranked_tree(root, verifier.tree_scores(q_log, None), 4).read()
         rows = [p_root if node == 0 else p_after[tree.tokens[node]] for node in range(len(tree))]
         logits = mx.log(mx.array(np.array(rows), mx.float32))
         choices = verifier.choices(logits, [9 + depth for depth in tree.depths]).tolist()
@@ -446,10 +446,15 @@ def test_coupled_trees_rank_near_candidates_as_the_full_transform():
         verifier = make_verifier(**setting, seed=trial).for_reply()
         verifier.at(7, vocab)
         logits = peaked_rows(rng, 3, len(token_ids))
-        cheap = top_candidates(verifier.tree_scores(logits, token_ids), 2, token_ids)[0]
+        cheap = best_columns(verifier.tree_scores(logits, token_ids), 2)
         noise = np.stack([position_noise(verifier.seed, 7 + i, vocab) for i in range(3)])
         full = make_logprobs_transform(**setting)(logits) + mx.array(noise[:, token_ids])
-        assert cheap == top_candidates(full, 2, token_ids)[0]
+        assert cheap == best_columns(full, 2)
+
+
+def best_columns(scores: mx.array, k: int) -> list[list[int]]:
+    """Each row's k best columns, best first."""
+    return np.argsort(-np.array(scores), axis=-1, kind="stable")[:, :k].tolist()
 
 
 def test_coupled_verify_chooses_rows_only_up_to_the_first_rejection():

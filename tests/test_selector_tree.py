@@ -17,7 +17,7 @@ from test_tree import prefixes
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.decode.sampling import make_verifier
 from dflash_mlx.models.draft import DFlashDraft
-from dflash_mlx.models.tree import Tree, build_selector_tree, ranked_edges
+from dflash_mlx.models.tree import Drafted, Tree, search
 
 dflash2_pair = test_dflash2.dflash2_pair  # its fixture, shared
 drafter = importlib.import_module("dflash_mlx.models.draft")
@@ -76,7 +76,7 @@ def numpy_prefix_scores(draft, hidden, logits, anchor) -> dict[tuple[int, ...], 
 
 def selector_tree(draft, hidden, logits, anchor, budget) -> Tree:
     edges = draft.candidate_selector.edge_logprobs(hidden, logits, mx.array(anchor))
-    return build_selector_tree(anchor, *ranked_edges(*edges), budget)
+    return search(mx.array([anchor]), *edges, budget).read()
 
 
 @pytest.mark.parametrize("budget", [1, 3, 10, 40, 1000])
@@ -88,13 +88,18 @@ def test_selector_tree_is_the_budget_best_prefixes_of_the_selector(seed, budget)
     best = sorted(scores, key=scores.get, reverse=True)[:budget]
     tree = selector_tree(draft, hidden, logits, anchor, budget)
     assert tree.tokens[0] == anchor and tree.parents[0] == -1 and tree.depths[0] == 0
-    assert prefixes(tree) == set(best)
-    assert len(tree) == 1 + min(budget, len(scores))
     for node in range(1, len(tree)):
         assert tree.parents[node] < node
         assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
-    if seed == 2:  # the candidate of probability 0 never enters
-        assert max(tree.tokens[1:]) < 3 and len(scores) == 3 + 9 + 27 + 81
+    # prefixes of probability 0 (a token outside the draft vocabulary) come only after all
+    # others, where the budget is larger than their count
+    held = sum(logprob > -np.inf for logprob in tree.logprobs)
+    assert tree.logprobs[held:] == [-np.inf] * (len(tree) - held)
+    finite = {tuple(tree.tokens[n] for n in tree.path(node)[1:]) for node in range(1, held)}
+    assert prefixes(tree) >= finite == set(best)
+    assert len(tree) == 1 + budget or held == 1 + len(scores)  # every prefix held
+    if seed == 2:
+        assert max(tree.tokens[1:held]) < 3 and len(scores) == 3 + 9 + 27 + 81
 
 
 def best_child_chain(tree: Tree, scores: dict[tuple[int, ...], float]) -> list[int]:
@@ -138,26 +143,26 @@ def test_a_budget_of_the_block_length_need_not_hold_the_whole_greedy_walk():
         ]
     )
     candidates = mx.array([[10, 11], [20, 21], [30, 31]])
-    edges = ranked_edges(candidates, mx.array(np.log(p), mx.float32))
+    edges = mx.array(np.log(p), mx.float32)
     walk = (10, 20, 30)
     held = {}
     for budget in range(1, 8):
-        tree = prefixes(build_selector_tree(9, *edges, budget))
+        tree = prefixes(search(mx.array([9]), candidates, edges, budget).read())
         held[budget] = sum(walk[:depth] in tree for depth in (1, 2, 3))
         if budget == 3:
             assert tree == {(10,), (11,), (11, 20)}
     assert held == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 3, 7: 3}
 
 
-def spied_trees(monkeypatch) -> list[Tree]:
+def spied_trees(monkeypatch) -> list[Drafted]:
     """The trees the loop builds with the selector from here on."""
     trees = []
 
     def spy(*args):
-        trees.append(build_selector_tree(*args))
+        trees.append(search(*args))
         return trees[-1]
 
-    monkeypatch.setattr(drafter, "build_selector_tree", spy)
+    monkeypatch.setattr(drafter, "search", spy)
     return trees
 
 

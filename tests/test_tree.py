@@ -30,7 +30,7 @@ from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.rollback import cache_parts, keep_path
 from dflash_mlx.models.target import TargetAdapter, TreeShape
-from dflash_mlx.models.tree import Tree, ancestor_mask, build_tree, top_candidates, walk
+from dflash_mlx.models.tree import Tree, ancestor_mask, ranked_tree, search, walk
 
 TREE_FAMILIES = [
     "llama",
@@ -58,11 +58,6 @@ MAX_TOKENS = 120
 family, tokenizer = test_families.family, test_families.tokenizer  # their fixtures, shared
 
 
-def sorted_candidates(logprobs: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k]
-    return order.tolist(), np.take_along_axis(logprobs, order, axis=-1).tolist()
-
-
 def brute_force_best(logprobs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
     """The `budget` best prefixes of every length, by enumerating all of them."""
     depth, vocab = logprobs.shape
@@ -84,25 +79,19 @@ def prefixes(tree: Tree) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("budget", [1, 2, 5, 17, 40])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("ranked_on", ["host", "device"])
-def test_tree_is_the_budget_best_prefixes(budget, seed, ranked_on, monkeypatch):
-    """Either way of ranking the drafter's candidates (numpy on the CPU; on a GPU, where the
-    logits are: forced here by making the default device look like one) gives the same tree."""
-    if ranked_on == "device":
-        monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+def test_tree_is_the_budget_best_prefixes(budget, seed):
+    """The tree built on the device holds the `budget` best prefixes of every length, found by
+    enumerating all of them, best first."""
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(4, 5)) * 2.0
     if seed == 2:  # tokens outside a draft vocabulary never enter the tree
         logits[:, 3] = -np.inf
     logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    candidates = top_candidates(mx.array(logits), budget)
-    expected_tokens, expected_logprobs = sorted_candidates(logprobs, budget)
-    assert candidates[0] == expected_tokens
-    np.testing.assert_allclose(candidates[1], expected_logprobs, rtol=1e-5)
-    tree = build_tree(99, *candidates, budget)
+    drafted = ranked_tree(mx.array([99]), mx.array(logits), budget)
+    tree = drafted.read()
     assert tree.tokens[0] == 99 and tree.parents[0] == -1 and tree.depths[0] == 0
     assert prefixes(tree) == brute_force_best(logprobs, budget)
-    assert len(tree) == 1 + min(budget, len(brute_force_best(logprobs, 10**6)))
+    assert len(tree) == len(drafted) == 1 + budget
     for node in range(1, len(tree)):
         assert tree.parents[node] < node
         assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
@@ -112,8 +101,30 @@ def test_tree_is_the_budget_best_prefixes(budget, seed, ranked_on, monkeypatch):
     # best first: probabilities never rise, and the first b + 1 nodes are the tree of budget b
     probabilities = tree.probabilities()
     assert probabilities == sorted(probabilities, reverse=True)
+    assert list(drafted.probabilities()) == pytest.approx(probabilities)
     for smaller in range(budget):
-        assert prefixes(tree.first(smaller + 1)) == brute_force_best(logprobs, smaller)
+        assert prefixes(drafted.first(smaller + 1).read()) == brute_force_best(logprobs, smaller)
+    assert ancestor_mask(drafted.parents).tolist() == ancestor_mask(tree.parents).tolist()
+
+
+def test_the_lookup_chain_is_grafted_where_it_meets_the_tree():
+    """A chain of known tokens joins the tree as a path from the root: a node it meets keeps
+    the better score, the chain goes on below it, and the tree is cut to its budget."""
+    logits = np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.7, 0.2, 0.1]]))
+    chain = ([1, 2, 0], [np.log(0.9)] * 3)  # meets node "1" (0.3 < 0.9), then grows new ones
+    tree = ranked_tree(mx.array([7]), mx.array(logits), 5, chain=chain).read()
+    expected = {(1,): 0.9, (1, 2): 0.81, (1, 2, 0): 0.729, (0,): 0.6, (0, 0): 0.3}
+    found = {
+        tuple(tree.tokens[n] for n in tree.path(node)[1:]): p
+        for node, p in zip(range(1, len(tree)), tree.probabilities())
+    }
+    assert found == pytest.approx(expected)
+    assert [tree.tokens[node] for node in tree.chain] == chain[0]
+    assert all(tree.parents[node] < node for node in range(1, len(tree)))
+    cut = ranked_tree(mx.array([7]), mx.array(logits), 2, chain=chain).read()
+    assert cut.chain == [1, 2, -1]  # the budget left the chain's last token out
+    alone = search(mx.array([7]), None, None, 2, chain).read()  # no drafter: the chain alone
+    assert alone.tokens == [7, 1, 2] and alone.chain == [1, 2, -1]
 
 
 def test_ancestor_mask_and_walk():

@@ -237,7 +237,7 @@ class AdaptiveBlock:
 class AdaptiveTree:
     """Each tree cycle's budget from the drafter's confidence in that cycle's candidates.
 
-    Best-first (`tree.build_tree`), a tree's nodes come in non-increasing path
+    Best-first (`tree.search`), a tree's nodes come in non-increasing path
     probability p_1 ≥ p_2 ≥ … under the drafter, and a node is accepted iff its
     whole path is the target's own choice, so a calibrated drafter's tree of the
     first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. A
@@ -253,7 +253,8 @@ class AdaptiveTree:
     steps for `probe_gap` cycles, doubling (up to `max_probe_gap`) while it stays
     best. The drafted cycle after them is a probe: it verifies the best tree of
     at least one node, whatever E(b) says, so that s follows a drafter that
-    starts to help. The budget never changes the output.
+    starts to help. The budget never changes the output. Fitting each tree reads its
+    probabilities before the verify: a second read of the device per drafted cycle.
     """
 
     max_budget: int  # the largest tree (draft tokens)

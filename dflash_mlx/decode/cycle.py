@@ -2,9 +2,10 @@
 
 A cycle has two halves. `launch` queues it on each row's last committed token (one
 `RowRequest` per reply): the proposers' drafts (a `ChainRow` or a `TreeRow` per row, as the
-row's plan says), one target forward over every row ([root] + drafts, each row through its
-own caches, padded to the longest row), and each row's verdict, computed on the device.
-`settle` reads every row's verdict in one read and asks each row to commit its accepted
+row's plan says; a tree built on the device, its size fixed by the plan), one target forward
+over every row ([root] + drafts, each row through its own caches, padded to the longest row),
+and each row's verdict, computed on the device. `settle` reads every row's verdict (a tree's
+nodes with it) in one read and asks each row to commit its accepted
 tokens: the target's caches are trimmed back to them (a chain's rejected tail, or everything
 off a tree's accepted path), the tokens are booked, the row's policy records the cycle, and
 the proposers get the target's features of the kept positions. A single
@@ -36,7 +37,7 @@ import numpy as np
 
 from ..models.rollback import keep_path
 from ..models.target import TargetAdapter, TreeShape
-from ..models.tree import Tree, ancestor_mask, read_together, walk
+from ..models.tree import Drafted, Tree, ancestor_mask, read_together, walk
 from . import proposers
 from .adaptive import Cycle, Plan
 from .plan import DecodingPlan, Policy
@@ -294,19 +295,21 @@ class ChainRow:
 @dataclass(eq=False)
 class TreeRow:
     """A reply's tree in a launched cycle: its root, the cache offset it starts at, the tree
-    (drafted, or the root alone), and the target's logits and choices at its nodes (no
-    choices where they are made during the walk). It commits the accepted path and the
-    target's token after it, and keeps the path's positions (`kept`)."""
+    on the device (drafted, or the root alone) and, once read, on the host (`read`), and the
+    target's logits and choices at its nodes (no choices where they are made during the
+    walk). It commits the accepted path and the target's token after it, and keeps the
+    path's positions (`kept`)."""
 
     reply: Reply
     root: Root
     policy: Policy
     plan: Plan
-    tree: Tree
+    tree: Drafted
     start: int
     drafted: bool = False  # whether the proposer drafted it (else the root alone)
     logits: mx.array | None = None
     choices: mx.array | None = None
+    read: Tree | None = None
     kept: list[int] = field(default_factory=list)
 
     drafts_from_root_value = True
@@ -318,21 +321,22 @@ class TreeRow:
     ) -> list[TreeRow]:
         """The rows of a cycle's trees (request, plan, context): up to each plan's budget of
         nodes, at most its reply's depth deep (and no deeper than it has tokens left), fitted
-        by its policy; those drafting with one drafter in one drafter forward
+        by its policy (which reads the tree only if it fits each to its drafter's
+        confidence); those drafting with one drafter in one drafter forward
         (`proposers.trees`). A tree of depth 0 is the root alone, not drafted."""
         rows, drafting = [], {}
         for i, (request, plan, _) in enumerate(launching):
-            reply, root = request.reply, request.root.item()
+            reply, root = request.reply, request.root
             state = reply.state
             limit = state.target.forward_limit(state.cache, reply.remaining) - 1
             depth = min(reply.plan.depth, limit, plan.drafts)
             start = state.cache[0].offset
-            tree = Tree([root], [-1], [0])
-            rows.append(cls(reply, request.root, request.policy, plan, tree, start))
+            tree = Drafted.alone(root.array)
+            rows.append(cls(reply, root, request.policy, plan, tree, start))
             if depth > 0:
                 scores = state.verifier.tree_scores if state.verifier.coupled else None
                 drafting[i] = proposers.TreeRequest(
-                    state.proposer, root, depth, plan.drafts, scores
+                    state.proposer, root.item(), depth, plan.drafts, scores
                 )
         for i, tree in zip(drafting, proposers.trees(list(drafting.values()))):
             rows[i].tree = tree.first(rows[i].policy.fit(tree.probabilities()) + 1)
@@ -345,12 +349,18 @@ class TreeRow:
 
     def tokens(self, positions: int) -> mx.array:
         """Its nodes' tokens, padded to `positions` with lone leaves holding its root."""
-        return mx.array(self.tree.tokens + [self.root.item()] * (positions - self.size))
+        tokens = self.tree.tokens
+        if positions == self.size:
+            return tokens
+        return mx.pad(tokens, (0, positions - self.size), constant_values=self.root.item())
 
     def shape(self, positions: int) -> TreeShape:
         """Its nodes (padded to `positions` with lone leaves under its root) in the forward."""
         tree, extra = self.tree, positions - self.size
-        return TreeShape(tree.depths + [1] * extra, ancestor_mask(tree.parents + [0] * extra))
+        if not extra:
+            return TreeShape(tree.depths, ancestor_mask(tree.parents))
+        depths = mx.pad(tree.depths, (0, extra), constant_values=1)
+        return TreeShape(depths, ancestor_mask(mx.pad(tree.parents, (0, extra))))
 
     def verify(self, logits: mx.array, context: list[int] | None) -> None:
         """The target's choices at its nodes, on the device: its own choice, its coupled
@@ -363,34 +373,37 @@ class TreeRow:
         verifier = self.reply.state.verifier
         if not (verifier.processors or verifier.chooses_per_row):
             first = len(self.reply.state.tokens) + 1
-            self.choices = verifier.choices(logits, [first + d for d in self.tree.depths])
+            positions = list(range(first, first + self.tree.deepest + 1))
+            self.choices = verifier.choices(logits, positions, self.tree.depths)
 
     def reads(self) -> list[mx.array]:
-        """What committing it reads from the device."""
-        return [] if self.choices is None else [self.choices]
+        """What committing it reads from the device: its tree and the target's choices."""
+        return self.tree.parts() + ([] if self.choices is None else [self.choices])
 
     def computed(self) -> list[mx.array]:
-        """What the device computes for it ahead of `settle`: its choices, or its logits
-        where the choices are made during the walk."""
-        return self.reads() or [self.logits]
+        """What the device computes for it ahead of `settle`: its tree and choices, or its
+        logits where the choices are made during the walk."""
+        return self.reads() + ([self.logits] if self.choices is None else [])
 
     def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
         """Book its accepted path: everything off it leaves the target's caches, its tokens
         join the reply's, and its policy records what it verified, accepted and cost (`cost()`,
         once it is booked: the walk included)."""
-        commit, path = self._walk(values[0].tolist() if values else None)
+        parts = len(self.tree.parts())
+        self.read = Drafted.of(values[:parts])
+        commit, path = self._walk(values[parts].tolist() if len(values) > parts else None)
         state = self.reply.state
         keep_path(state.cache, self.start, path)
-        state.tokens.extend([self.tree.tokens[node] for node in path])
+        state.tokens.extend([self.read.tokens[node] for node in path])
         self.kept = path
-        probabilities = self.tree.probabilities()
-        self.policy.record(Cycle(len(self.tree) - 1, len(path) - 1, cost(), probabilities, path))
+        probabilities = self.read.probabilities()
+        self.policy.record(Cycle(len(self.read) - 1, len(path) - 1, cost(), probabilities, path))
         return commit
 
     def _walk(self, choices: list[int] | None) -> tuple[Commit, list[int]]:
         """Its commit and accepted path: the walk down the target's choices (made here, node
         by node, for a verifier with logits processors or one that chooses per row)."""
-        state, tree, logits = self.reply.state, self.tree, self.logits
+        state, tree, logits = self.reply.state, self.read, self.logits
         processed: dict[int, mx.array] = {}
 
         def choose_processed(node: int) -> int:

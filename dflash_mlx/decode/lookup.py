@@ -3,7 +3,7 @@
 Text repeats itself: code reuses its identifiers, answers quote the question,
 lists repeat their shape. The continuation of the latest earlier occurrence of
 the last two tokens (else of the last one) is a chain of candidates that costs no
-forward to propose; grafted onto the drafter's tree (`tree.graft`), the target
+forward to propose; grafted onto the drafter's tree (`tree.search`), the target
 verifies it with the tree's other nodes, so the output never changes. What it buys
 is measured in benchmarks/README.md ("Prompt lookup in trees").
 

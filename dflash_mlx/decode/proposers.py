@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..models.draft import Choose, DFlashDraft, DraftChain, DraftTree, TreeScores
 from ..models.target import TargetAdapter
-from ..models.tree import Tree, graft
+from ..models.tree import Chain, Drafted, Tree, search
 from .lookup import ContextLookup
 
 __all__ = ["Choose", "TreeScores"]
@@ -32,9 +32,9 @@ class Proposer:
     def committed(self, tokens: list[int]) -> None:
         """Tokens committed to the reply, in order."""
 
-    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
-        """This row's tree from its drafter's (the root alone without one): as it is here."""
-        return tree
+    def chain(self, depth: int) -> Chain | None:
+        """Known tokens to graft onto this row's tree, up to `depth` (None: nothing)."""
+        return None
 
     @property
     def drafting(self) -> DrafterProposer | None:
@@ -94,24 +94,20 @@ class LookupProposer(Proposer):
     def __init__(self, prompt: list[int], base: Proposer | None = None):
         self.lookup, self.base = ContextLookup(prompt), base or Proposer()
         self.layer_ids = self.base.layer_ids
-        self.nodes: list[int] = []  # the last tree's chain tokens' nodes
 
     def committed(self, tokens: list[int]) -> None:
         self.lookup.extend(tokens)
 
-    def graft(self, tree: Tree, depth: int, budget: int) -> Tree:
-        tree, self.nodes = graft(
-            self.base.graft(tree, depth, budget), *self.lookup.proposal(depth), budget
-        )
-        return tree
+    def chain(self, depth: int) -> Chain | None:
+        tokens, logprobs = self.lookup.proposal(depth)
+        return (tokens, logprobs) if tokens else None
 
     @property
     def drafting(self) -> DrafterProposer | None:
         return self.base.drafting
 
     def verified(self, tree: Tree, path: list[int]) -> None:
-        # a policy may have verified the tree's first nodes only
-        self.lookup.record([n if n < len(tree) else -1 for n in self.nodes], path)
+        self.lookup.record(tree.chain, path)
         self.base.verified(tree, path)
 
 
@@ -181,22 +177,29 @@ def chains(requests: list[ChainRequest]) -> list[tuple[mx.array, mx.array | None
     return out
 
 
-def trees(requests: list[TreeRequest]) -> list[Tree]:
-    """Each row's tree as it requests, then grafted by its proposer (`Proposer.graft`: the
-    prompt lookup's). The rows drafting with one drafter module to one depth share one
-    drafter forward (`DFlashDraft.trees`); a row without a drafter starts from its root
-    alone."""
-    out = [Tree([r.root], [-1], [0]) for r in requests]
+def trees(requests: list[TreeRequest]) -> list[Drafted]:
+    """Each row's tree as it requests, built on the device with its proposer's chain grafted
+    (`Proposer.chain`: the prompt lookup's). The rows drafting with one drafter module to one
+    depth share one drafter forward (`DFlashDraft.trees`); a row without a drafter grows
+    from its root alone."""
+    chains = [r.proposer.chain(r.depth) for r in requests]
+    out: list[Drafted | None] = [None] * len(requests)
     groups = by_drafter([r.proposer for r in requests], [r.depth for r in requests])
     for (_, depth), members in groups.items():
         rows = [requests[i] for i in members]
         drafters = [r.proposer.drafting for r in rows]
         first = drafters[0]
-        drafting = [DraftTree(r.root, d.cache, r.budget, r.scores) for d, r in zip(drafters, rows)]
+        drafting = [
+            DraftTree(r.root, d.cache, r.budget, r.scores, chains[i])
+            for i, d, r in zip(members, drafters, rows)
+        ]
         drafted = first.draft.trees(depth, first.embed, first.head, drafting)
         for i, tree in zip(members, drafted):
             out[i] = tree
-    return [r.proposer.graft(tree, r.depth, r.budget) for r, tree in zip(requests, out)]
+    return [
+        search(mx.array([r.root]), None, None, r.budget, chain) if tree is None else tree
+        for r, chain, tree in zip(requests, chains, out)
+    ]
 
 
 def observe(proposers: list[Proposer], features: mx.array, kept: list[int | list[int]]) -> None:

@@ -491,13 +491,16 @@ class Verifier:
         self.drafted += logits.shape[0]
         return list(range(start, start + logits.shape[0]))
 
-    def choices(self, logits: mx.array, positions: list[int]) -> mx.array:
-        """The target's token after each row (a tree's nodes, at sequence `positions`): its
-        argmax, its coupled choice, or its sample."""
-        return self._choose(logits, positions)[0]
+    def choices(
+        self, logits: mx.array, positions: list[int], rows: mx.array | None = None
+    ) -> mx.array:
+        """The target's token after each row (a tree's nodes, at sequence `positions`, or at
+        `positions[rows[i]]` for row i: a tree's depths, on the device): its argmax, its
+        coupled choice, or its sample."""
+        return self._choose(logits, positions, rows)[0]
 
     def _choose(
-        self, logits: mx.array, positions: list[int] | None = None
+        self, logits: mx.array, positions: list[int] | None = None, rows: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
         if self.sampler is not None:
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), None
@@ -505,6 +508,8 @@ class Verifier:
             return mx.argmax(logits, axis=-1), None
         if self.coupled and positions is not None:  # no log q: the rule never reads it
             noise = mx.array(self.noise(positions, logits.shape[-1]))
+            if rows is not None:
+                noise = noise[rows]
             if self.coupled_choice is not None:
                 return self.coupled_choice(logits, noise), None
             return mx.argmax(self.transform(logits) + noise, axis=-1), None

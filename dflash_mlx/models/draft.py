@@ -45,7 +45,7 @@ from ..native.kernels import block_attention
 from ..native.swaps import Swap
 from . import backends
 from .rows import RowCaches, row_caches
-from .tree import Tree, build_selector_tree, build_tree, ranked_edges, top_candidates
+from .tree import Chain, Drafted, ranked_tree, search
 
 KERNEL_BACKENDS = ("auto", "metal", "reference")
 REQUIRED_FIELDS = (
@@ -92,12 +92,13 @@ class DraftChain:
 class DraftTree:
     """One row of a drafter forward that drafts a tree: its `root` token, its context
     `cache`, up to `budget` nodes, ranked by `scores` of the drafter's logits (None: the
-    logits themselves)."""
+    logits themselves), with a `chain` of known tokens grafted (the prompt lookup's)."""
 
     root: int
     cache: list[KVCache]
     budget: int
     scores: TreeScores | None = None
+    chain: Chain | None = None
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -747,12 +748,12 @@ class DFlashDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
         rows: list[DraftTree],
-    ) -> list[Tree]:
+    ) -> list[Drafted]:
         """Each row's `budget` most likely continuations of its root, up to `depth` tokens
-        deep (`tree.py`), from one drafter forward. DFlash 1 ranks each position's tokens
-        apart (over the head's own columns), by the row's `scores` of its logits if given
-        (the coupled rule's perturbed log q); DFlash 2 scores each token given the one
-        before, as its selector walks."""
+        deep (`tree.py`), from one drafter forward, built on the device. DFlash 1 ranks each
+        position's tokens apart (over the head's own columns), by the row's `scores` of its
+        logits if given (the coupled rule's perturbed log q); DFlash 2 scores each token
+        given the one before, as its selector walks."""
         blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
         caches = [row.cache for row in rows]
         if "candidate_selector" in self:
@@ -760,27 +761,18 @@ class DFlashDraft(nn.Module):
             logits = self.head_logits(hidden, head)
             edges = self.candidate_selector.edge_logprobs
             return [
-                build_selector_tree(
-                    row.root, *ranked_edges(*edges(hidden[i], logits[i], blocks[i, 0])), row.budget
+                search(
+                    blocks[i, :1], *edges(hidden[i], logits[i], blocks[i, 0]), row.budget, row.chain
                 )
                 for i, row in enumerate(rows)
             ]
         logits = self.draft_logits(blocks, embed, head.rows, caches)
-        return [
-            rank_tree(row.root, logits[i], head.token_ids, row.budget, row.scores)
-            for i, row in enumerate(rows)
-        ]
+        return [rank_tree(row, logits[i], head.token_ids) for i, row in enumerate(rows)]
 
 
-def rank_tree(
-    root: int,
-    logits: mx.array,
-    token_ids: list[int] | None,
-    budget: int,
-    scores: TreeScores | None,
-) -> Tree:
-    """The tree of a head whose positions rank apart: each depth's tokens by `scores` of
-    its logits (depth, columns), if given, else by the logits themselves."""
-    if scores is not None:
-        logits = scores(logits, token_ids)
-    return build_tree(root, *top_candidates(logits, budget, token_ids), budget)
+def rank_tree(row: DraftTree, logits: mx.array, token_ids: list[int] | None) -> Drafted:
+    """The tree of a head whose positions rank apart: each depth's tokens by the row's
+    `scores` of its logits (depth, columns), if given, else by the logits themselves."""
+    if row.scores is not None:
+        logits = row.scores(logits, token_ids)
+    return ranked_tree(mx.array([row.root]), logits, row.budget, token_ids, row.chain)

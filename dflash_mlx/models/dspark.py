@@ -57,7 +57,7 @@ from .draft import (
     DraftTree,
     rank_tree,
 )
-from .tree import Tree, build_selector_tree, ranked_edges
+from .tree import Drafted, search
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 TREE_WIDTH = 16  # candidates per depth a Markov tree scores
@@ -473,32 +473,27 @@ class DSparkDraft(DFlashDraft):
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
         rows: list[DraftTree],
-    ) -> list[Tree]:
+    ) -> list[Drafted]:
         """Each row's `budget` best continuations of its root as the Markov walk scores them,
-        from one drafter forward: a node's children from its slot's logits plus the bias of
-        the node's own token (one read). Without a Markov head the slots' logits rank apart,
-        by the row's `scores` of them if given (`DFlashDraft.trees`); with one, each node's
-        children are ranked by the walk's own."""
+        from one drafter forward, built on the device: a node's children from its slot's
+        logits plus the bias of the node's own token. Without a Markov head the slots' logits
+        rank apart, by the row's `scores` of them if given (`DFlashDraft.trees`); with one,
+        each node's children are ranked by the walk's own."""
         blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
         hidden = self.slot_hidden(blocks, embed, [row.cache for row in rows])
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
-            return [
-                rank_tree(row.root, logits[i], head.token_ids, row.budget, row.scores)
-                for i, row in enumerate(rows)
-            ]
+            return [rank_tree(row, logits[i], head.token_ids) for i, row in enumerate(rows)]
         if self.config.markov_head_type == "rnn":
             raise ValueError("a DSpark drafter with an rnn Markov head drafts chains, not trees")
         logits = self.head_logits(hidden, head).astype(mx.float32)
-        return [
-            self.markov_tree(row.root, hidden[i], logits[i], row.budget)
-            for i, row in enumerate(rows)
-        ]
+        return [self.markov_tree(row, hidden[i], logits[i]) for i, row in enumerate(rows)]
 
-    def markov_tree(self, root: int, hidden: mx.array, logits: mx.array, budget: int) -> Tree:
+    def markov_tree(self, row: DraftTree, hidden: mx.array, logits: mx.array) -> Drafted:
         """One row's Markov tree from its slots' outputs and logits (depth, ...)."""
-        width = min(budget, TREE_WIDTH, logits.shape[-1])
-        prev, candidates, edges = mx.array([root]), [], []
+        width = min(row.budget, TREE_WIDTH, logits.shape[-1])
+        root = mx.array([row.root])
+        prev, candidates, edges = root, [], []
         for t in range(hidden.shape[0]):
             bias, _ = self.markov_head.step(prev, hidden[t])
             scores = logits[t] + bias.astype(mx.float32)  # (parents, vocab)
@@ -508,6 +503,4 @@ class DSparkDraft(DFlashDraft):
             edges.append(mx.broadcast_to(edge, (width, width)))
             candidates.append(best)
             prev = best
-        return build_selector_tree(
-            root, *ranked_edges(mx.stack(candidates), mx.stack(edges)), budget
-        )
+        return search(root, mx.stack(candidates), mx.stack(edges), row.budget, row.chain)

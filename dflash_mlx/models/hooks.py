@@ -42,12 +42,13 @@ class TreeForward:
 
     `positions` (n,) are absolute (the cache offset + the node's depth); `visible`
     (n, n) is the ancestor mask among the nodes. `masked` shows afterwards whether the
-    model asked the row's caches for its mask.
+    model asked the row's caches for its mask; the layers asking alike share one (`masks`).
     """
 
     positions: mx.array
     visible: mx.array
     masked: bool = False
+    masks: dict[tuple, mx.array | None] = field(default_factory=dict)
 
     def mask(
         self, start: int, offset: int, n: int, window: int | None = None, keep: int = 0
@@ -61,6 +62,14 @@ class TreeForward:
         if n != self.visible.shape[0]:
             raise ValueError(f"a tree forward of {self.visible.shape[0]} nodes got {n} positions")
         self.masked = True
+        key = (start, offset, window, keep)
+        if key not in self.masks:
+            self.masks[key] = self._mask(start, offset, n, window, keep)
+        return self.masks[key]
+
+    def _mask(
+        self, start: int, offset: int, n: int, window: int | None, keep: int
+    ) -> mx.array | None:
         if n == 1:
             return None
         if window is None:

@@ -52,7 +52,7 @@ from .loading import (
 from .rollback import CacheGroup, cache_parts
 from .rows import attention as rows_attention
 from .rows import row_caches
-from .tree import Tree
+from .tree import Drafted
 
 
 @dataclass(frozen=True)
@@ -425,7 +425,7 @@ class MTPDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         head: DraftHead,
         rows: list[DraftTree],
-    ) -> list[Tree]:
+    ) -> list[Drafted]:
         """Each row's `budget` most likely continuations of its root, up to `depth` deep, from
         the MTP layers' top-k at each step of their greedy chain (each depth's tokens ranked
         apart, as the DFlash drafter's, by the row's `scores` of the logits if given)."""
@@ -438,10 +438,7 @@ class MTPDraft(nn.Module):
         roots = mx.array([row.root for row in rows])[:, None]
         self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
         scored = mx.concatenate(logits, axis=1)
-        return [
-            rank_tree(row.root, scored[i], head.token_ids, row.budget, row.scores)
-            for i, row in enumerate(rows)
-        ]
+        return [rank_tree(row, scored[i], head.token_ids) for i, row in enumerate(rows)]
 
 
 def _mask(h: mx.array, cache: Any) -> mx.array | None:

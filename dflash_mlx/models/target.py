@@ -371,7 +371,7 @@ class TreeShape:
     """One row's tree in a verify forward: node i sits at the row cache's offset + depths[i]
     and sees the committed cache and the nodes visible[i] (itself and its ancestors)."""
 
-    depths: list[int]
+    depths: mx.array | list[int]
     visible: mx.array  # (n, n) bool
 
 

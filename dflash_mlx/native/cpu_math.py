@@ -150,8 +150,22 @@ def _unit_pairs(dims: int, traditional: bool) -> np.ndarray:
 
 
 @mx.compile
-def _rotate(x1, x2, cos, sin):
-    return x1 * cos - x2 * sin, x1 * sin + x2 * cos  # mx.fast.rope's fallback, forward
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
+    """`x` rotated by the table over its first 2 x (cos's last axis) features, as
+    mx.fast.rope's fallback rotates them, the rest kept: one compiled call per RoPE."""
+    dims = 2 * cos.shape[-1]
+    if traditional:
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    else:
+        x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
+    first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    if traditional:
+        parts = [mx.stack([first, second], axis=-1).reshape(*x.shape[:-1], dims)]
+    else:
+        parts = [first, second]
+    if dims < x.shape[-1]:
+        parts.append(x[..., dims:])
+    return mx.concatenate(parts, axis=-1)
 
 
 _tables = threading.local()
@@ -216,14 +230,7 @@ def rope(
     elif x.ndim > 4:
         x = x.reshape(shape[0], -1, *shape[-2:])
     cos, sin = _rope_table(x, dims, traditional, base, scale, offset, freqs)
-    if traditional:
-        pairs = mx.stack(_rotate(x[..., 0:dims:2], x[..., 1:dims:2], cos, sin), axis=-1)
-        parts = [pairs.reshape(*x.shape[:-1], dims)]
-    else:
-        parts = list(_rotate(x[..., : dims // 2], x[..., dims // 2 : dims], cos, sin))
-    if dims < shape[-1]:
-        parts.append(x[..., dims:])
-    return mx.concatenate(parts, axis=-1).reshape(shape)
+    return _rotate(x, cos, sin, traditional).reshape(shape)
 
 
 def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
