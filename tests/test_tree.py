@@ -534,7 +534,7 @@ def test_a_forward_of_several_rows_gives_each_row_its_own_forward(family, name):
 def test_a_forward_of_several_rows_needs_caches_that_can_share_it(family):
     model, _, _ = family("gemma4_text")  # sliding-window layers
     target = TargetAdapter(model)
-    with pytest.raises(ValueError, match="plain KV caches"):
+    with pytest.raises(ValueError, match="plain KV or recurrent caches"):
         target.forward(mx.array([[5, 6], [7, 8]]), [target.make_cache(), target.make_cache()])
 
 
