@@ -129,7 +129,7 @@ def test_resume_gives_the_same_state(replies, tmp_path):
         (straight.optimizer.state, resumed.optimizer.state),
     ]:
         a, b = dict(tree_flatten(a)), dict(tree_flatten(b))
-        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a), [(k, mx.abs(a[k]-b[k]).max().item()) for k in a]
+        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert mx.array_equal(straight.draft.target_norm.weight, model.model.norm.weight).item()
 
 
