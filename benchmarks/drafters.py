@@ -1,6 +1,7 @@
 """Several drafters side by side on the bench suite: τ, decode speed and identity with mlx-lm.
 
     python benchmarks/drafters.py DRAFT [DRAFT ...] [--limit 42] [--max-tokens 96] [--out r.json]
+        [--policy] [--temperature 0.7 --top-p 0.9]
 
 One process, one target (SmolLM2-135M-Instruct in float32 unless `--model`). Per prompt, in
 turn: mlx-lm's greedy `stream_generate`, then each drafter's greedy chain at a fixed block
@@ -8,7 +9,11 @@ turn: mlx-lm's greedy `stream_generate`, then each drafter's greedy chain at a f
 same prompts under the same machine load. τ is committed tokens per cycle; acceptance at k is
 the share of cycles that proposed at least k drafts whose first k were accepted. A DSpark
 drafter's confidence head may verify fewer than its block: `drafts/cycle` says how many it
-proposed on average.
+proposed on average. A DRAFT `mtp:DIR` is the MTP layer of the target checkpoint DIR (one
+`train export` wrote from an MTP layer: the same target, the layer beside it). `--policy` runs
+each drafter as the library does by default (the cost-based policy sizes each cycle and
+may decline to draft) instead of fixed chains; `--temperature`/`--top-p` sample, mlx-lm
+with its own sampler (outputs then differ from mlx-lm's by chance, not by error).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dflash_mlx  # noqa: F401  (binds the system BLAS before mlx is imported)
 # isort: on
 import mlx.core as mx
 import mlx_lm
+from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx import GenerationSettings, load, load_draft, stream_generate
 from dflash_mlx.chat_format import render
@@ -51,31 +57,40 @@ def summary(runs: list, ar_runs: list) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("drafts", nargs="+", help="drafter directories")
+    parser.add_argument("drafts", nargs="+", help="drafter directories (mtp:DIR: DIR's MTP layer)")
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct, float32)")
     parser.add_argument("--prompts", default=str(PROMPTS_FILE))
     parser.add_argument("--limit", type=int, help="the first N prompts only")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--block-size", type=int, help="default: each drafter's own")
+    parser.add_argument("--policy", action="store_true", help="the library's default policy")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=0.0)
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
 
     model, tokenizer = load(args.model or str(smollm2_model_dir()))
-    drafts = {path: load_draft(path) for path in args.drafts}
+    drafts = {
+        path: load_draft("mtp", target=path[4:]) if path.startswith("mtp:") else load_draft(path)
+        for path in args.drafts
+    }
+    sampler = make_sampler(args.temperature, args.top_p)
     prompts = load_prompts(args.prompts)[: args.limit]
     encoded = [render(tokenizer, p["prompt"], True) for p in prompts]
 
     def ar(ids: list[int]):
         return lambda: mlx_lm.stream_generate(
-            model, tokenizer, mx.array(ids), max_tokens=args.max_tokens
+            model, tokenizer, mx.array(ids), max_tokens=args.max_tokens, sampler=sampler
         )
 
     def chain(path: str, ids: list[int]):
         draft = drafts[path]
         settings = GenerationSettings(
-            block_size=args.block_size or draft.config.block_size,
-            adaptive=False,
+            block_size=args.block_size or (None if args.policy else draft.config.block_size),
+            adaptive=None if args.policy else False,
             max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
         )
         return lambda: stream_generate(model, draft, tokenizer, ids, settings=settings)
 

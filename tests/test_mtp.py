@@ -438,13 +438,15 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
     assert reply["proposed"] > 0
 
     llama, _ = make_pair("llama-tied-gqa")
+    qwen3, _ = make_pair("qwen3-tied-gqa")
     bare = tmp_path / "no-mtp"
     shutil.copytree(path, bare)
     weights = mx.load(str(bare / "model.safetensors"))
     kept = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
     mx.save_safetensors(str(bare / "model.safetensors"), kept)
     refusals = {
-        llama: "target model type 'llama' has no MTP layers dflash-mlx can run",
+        qwen3: "target model type 'qwen3' has no MTP layers dflash-mlx can run",
+        llama: "no published llama checkpoint has one; `dflash-mlx train fit --arch mtp` does",
         bare: "has no MTP tensors: mlx-lm's conversion drops them",
     }
     for target, why in refusals.items():
@@ -460,7 +462,8 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
 
     answers = {
         path: "yes: 1 MTP layer(s), unquantized (qwen3_next; --draft mtp)",
-        llama: "no: target model type 'llama' has no MTP layers",
+        qwen3: "no: target model type 'qwen3' has no MTP layers",
+        llama: "no: no MTP tensors in this llama checkpoint (no published llama checkpoint",
         bare: "no: no MTP tensors in this qwen3_next checkpoint",
     }
     for target, said in answers.items():

@@ -73,6 +73,7 @@ class Layout:
     nextn: bool = False
     layer_module: str | None = None
     layer_cache: Callable[[], Any] = KVCache
+    published: bool = True  # its published checkpoints carry MTP layers
 
 
 LAYOUTS = {
@@ -93,6 +94,11 @@ LAYOUTS = {
         True,
         layer_module="deepseek_v32",
         layer_cache=lambda: CacheGroup(KVCache(), KVCache()),
+    ),
+    # no published llama checkpoint has one: a layer `train fit --arch mtp` trained, in
+    # DeepSeek-V3's names (`train export` writes it beside the target's weights)
+    "llama": Layout(
+        "llama", "TransformerBlock", "ModelArgs", "num_nextn_predict_layers", True, published=False
     ),
 }
 # Families whose checkpoints carry MTP layers this drafter cannot run, and why.
@@ -547,6 +553,16 @@ def _fields(args: Any) -> set[str]:
     return {f.name for f in fields(args)}
 
 
+def missing(model_type: str) -> str:
+    """Why a checkpoint of this family lacks MTP tensors, in words."""
+    if LAYOUTS[model_type].published:
+        return (
+            "mlx-lm's conversion drops them; use the original checkpoint (or one converted "
+            "with them)"
+        )
+    return f"no published {model_type} checkpoint has one; `dflash-mlx train fit --arch mtp` does"
+
+
 def _read(path: Path) -> tuple[str, dict, int, dict[str, mx.array], mx.array | None, bool]:
     """The checkpoint's model type, config, MTP layer count, and `read_mtp_tensors`."""
     config = read_config(path)
@@ -565,7 +581,7 @@ def describe_mtp(path_or_repo: str | Path) -> str:
     except ValueError as exc:
         return f"no: {exc}"
     if not tensors or not num_layers:
-        return f"no: no MTP tensors in this {model_type} checkpoint (mlx-lm's convert drops them)"
+        return f"no: no MTP tensors in this {model_type} checkpoint ({missing(model_type)})"
     stored = "quantized" if any(k.endswith(".scales") for k in tensors) else "unquantized"
     return f"yes: {num_layers} MTP layer(s), {stored} ({model_type}; --draft mtp)"
 
@@ -586,10 +602,7 @@ def load_mtp(
     path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
     model_type, config, num_layers, tensors, final_norm, hugging_face = _read(path)
     if not tensors or not num_layers:
-        raise ValueError(
-            f"the checkpoint at {path} has no MTP tensors: mlx-lm's conversion drops them; "
-            "use the original checkpoint (or one converted with them)"
-        )
+        raise ValueError(f"the checkpoint at {path} has no MTP tensors: {missing(model_type)}")
     if final_norm is None:
         raise ValueError(f"the checkpoint at {path} has no final norm weight (model.norm.weight)")
     args = mtp_args(model_type, config.get("text_config") or config)

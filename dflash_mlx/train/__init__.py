@@ -5,8 +5,9 @@ target's greedy replies to offline prompts (or to a user's conversations, or tak
 replies a server recorded) as token ids (replies.jsonl);
 `features` caches the target's hidden states of the tapped layers (fp16) for
 every stored sequence; `fit` trains a drafter (DFlash 1, DFlash 2 or DSpark: `--arch`)
-on random anchored blocks with a block-sparse mask and checkpoints (ckpt/); `export`
-writes our layout with a model card and the published layout; `finetune` runs the four
+on random anchored blocks with a block-sparse mask, or the target's own MTP layer
+(`--arch mtp`, `mtp.py`), and checkpoints (ckpt/); `export` writes our layout with a
+model card and the published layout (an MTP layer: the target carrying it); `finetune` runs the four
 on a user's own traffic, from a drafter they have. Everything large lives
 in the work dir (default ~/.cache/dflash-mlx/train/<name>), never in the repository.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..models.draft import DFlashDraft
+    from ..models.mtp import MTPDraft
     from .trainer import DraftShape
 
 DEFAULT_TAPS = "1,8,14,20,27"
@@ -78,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
 
     p = sub.add_parser("fit", parents=[common], help="train (resumes from WORK/ckpt)")
-    p.add_argument("--layers", type=int, default=2, help="draft layers")
-    p.add_argument("--init-layers", type=_ints, default=None, help="target layers to copy")
+    p.add_argument("--layers", type=int, default=None, help="draft layers (default 2; mtp: 1)")
+    p.add_argument(
+        "--init-layers", type=_ints, default=None, help="target layers to copy (mtp: one)"
+    )
     p.add_argument(
         "--init-from",
         default=None,
@@ -90,17 +94,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        default=16,
-        help="positions a cycle verifies (DSpark: its slots γ = block size - 1 each draft)",
+        default=None,
+        help="positions a cycle verifies (default 16; DSpark: its slots γ = block size - 1 each "
+        "draft; mtp: 4, the root and the chain that validation walks)",
     )
     p.add_argument(
         "--arch",
-        choices=("dflash1", "dflash2", "dspark"),
+        choices=("dflash1", "dflash2", "dspark", "mtp"),
         default=None,
         help="dflash1 (default; with --init-from: that drafter's), dflash2: convolutions "
-        "around every sublayer and a candidate selector, trained with a selector loss, or "
+        "around every sublayer and a candidate selector, trained with a selector loss, "
         "dspark: a Markov and a confidence head, trained with DeepSpec's loss (a DFlash 1 "
-        "--init-from keeps its slots: slot 0 drafts nothing)",
+        "--init-from keeps its slots: slot 0 drafts nothing), or mtp: the target's own "
+        "multi-token-prediction layer (DeepSeek-V3's recipe, `--draft mtp`; it reads the "
+        "target's final hidden states, not --taps, and every reply position is a label)",
     )
     from .dspark import DSparkShape
     from .trainer import DFlash2Shape, TrainConfig
@@ -166,7 +173,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     p = sub.add_parser("export", parents=[common], help="write the trained drafter")
-    p.add_argument("--out", required=True, help="our layout (with README.md model card)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="our layout (with README.md model card); an MTP layer: the target's checkpoint "
+        "carrying it (`--model OUT --draft mtp`)",
+    )
     p.add_argument("--published", default=None, help="also write the published layout here")
     p.add_argument(
         "--dtype",
@@ -230,6 +242,39 @@ def load_target(args: argparse.Namespace):
     return load(args.model or smollm2_model_dir(), trust_remote_code=args.trust_remote_code)
 
 
+def target_dir(args: argparse.Namespace) -> Path:
+    """The target checkpoint's directory (a hub id fetched)."""
+    from ..models.gguf import smollm2_model_dir
+    from ..models.loading import resolve_path
+    from ..models.target import TARGET_PATTERNS
+
+    return resolve_path(args.model or smollm2_model_dir(), "target model", TARGET_PATTERNS)
+
+
+def start_mtp(args: argparse.Namespace, model, ckpt: Path) -> MTPDraft:
+    """The MTP layer `fit --arch mtp` trains: the checkpoint's, or a new one (`--init-layers`:
+    a copy of that target layer)."""
+    from ..models.mtp import DEFAULT_BLOCK_SIZE
+    from .mtp import checkpoint_mtp, is_mtp_checkpoint, make_mtp
+
+    if ckpt.exists():
+        if not is_mtp_checkpoint(ckpt):
+            raise ValueError(
+                f"{ckpt} holds a DFlash drafter, not --arch mtp: resume without that flag, or "
+                "move ckpt/ away to start over"
+            )
+        if args.arch not in (None, "mtp"):
+            raise ValueError(f"{ckpt} holds an MTP layer, not --arch {args.arch}")
+        return checkpoint_mtp(ckpt, target_dir(args))[0]
+    if args.init_from:
+        raise ValueError("--arch mtp starts a new layer: --init-layers copies a target layer")
+    if args.layers not in (None, 1) or len(args.init_layers or [0]) != 1:
+        raise ValueError("--arch mtp trains one layer: give --init-layers one target layer id")
+    init = args.init_layers[0] if args.init_layers else None
+    block = args.block_size or DEFAULT_BLOCK_SIZE
+    return make_mtp(target_dir(args), model, args.seed, init, block)
+
+
 def arch_shape(args: argparse.Namespace) -> DraftShape | None:
     """The shape that `--arch dflash2` or `--arch dspark` and their flags ask for; None for
     DFlash 1. A flag of another architecture is refused."""
@@ -268,9 +313,12 @@ def loss_settings(args: argparse.Namespace, arch: str) -> dict:
     }
 
 
-def arch_of(draft: DFlashDraft) -> str:
+def arch_of(draft: DFlashDraft | MTPDraft) -> str:
     from ..models.dspark import DSparkConfig
+    from ..models.mtp import MTPConfig
 
+    if isinstance(draft.config, MTPConfig):
+        return "mtp"
     if isinstance(draft.config, DSparkConfig):
         return "dspark"
     return "dflash2" if draft.config.is_dflash2 else "dflash1"
@@ -388,6 +436,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     from .data import read_records
     from .dspark import DSparkShape, DSparkTrainer
     from .features import cached_records, load_features
+    from .mtp import MTPTrainer, is_mtp_checkpoint
     from .prompts import build_prompts
     from .trainer import (
         Sequence,
@@ -432,7 +481,9 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
     vocab = None if args.full_vocab else label_vocab(data + val)
     ckpt = work / "ckpt"
     finish_save(ckpt)
-    if ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
+    if args.arch == "mtp" or is_mtp_checkpoint(ckpt):
+        draft = start_mtp(args, model, ckpt)
+    elif ckpt.exists():  # the drafter the checkpoint holds, whatever --layers/--arch say
         draft, _ = checkpoint_draft(ckpt)
         check_arch(
             draft, args, str(ckpt), ": resume without that flag, or move ckpt/ away to start over"
@@ -446,7 +497,7 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
             shape = None
         elif isinstance(shape, DSparkShape):
             shape = replace(shape, from_anchor=False)  # DFlash's slots, as it was trained
-        draft = grow_draft(source, args.layers, shape)
+        draft = grow_draft(source, args.layers or 2, shape)
         if draft.config.target_layer_ids != taps:
             raise ValueError(
                 f"{args.init_from} taps target layers {draft.config.target_layer_ids}, "
@@ -458,7 +509,13 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         )
     else:
         draft = make_draft(
-            model, args.layers, taps, args.block_size, args.init_layers, args.seed, shape=shape
+            model,
+            args.layers or 2,
+            taps,
+            args.block_size or 16,
+            args.init_layers,
+            args.seed,
+            shape=shape,
         )
     cfg = TrainConfig(
         steps=args.steps,
@@ -472,11 +529,12 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
         eval_every=args.eval_every,
         **loss_settings(args, arch_of(draft)),
     )
-    trainer = (DSparkTrainer if arch_of(draft) == "dspark" else Trainer)(model, draft, cfg, vocab)
+    trainers = {"dspark": DSparkTrainer, "mtp": MTPTrainer}
+    trainer = trainers.get(arch_of(draft), Trainer)(model, draft, cfg, vocab)
     if ckpt.exists():
         trainer.load(ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}")
-    elif not args.init_from:
+    elif not args.init_from and arch_of(draft) != "mtp":
         scale_fc_to_features(draft, [s.features for s in data[:32]])
     seen = {tuple(r["ids"][: r["start"]]) for r in records}
     candidates = build_prompts(10 * args.eval_prompts, seed=args.seed + 1000)
@@ -491,8 +549,13 @@ def run_fit(args: argparse.Namespace, work: Path) -> None:
 
 def run_export(args: argparse.Namespace, work: Path) -> None:
     from .export import export_converted, export_published
-    from .trainer import checkpoint_draft
+    from .mtp import is_mtp_checkpoint
+    from .trainer import checkpoint_draft, finish_save
 
+    finish_save(work / "ckpt")
+    if is_mtp_checkpoint(work / "ckpt"):
+        run_export_mtp(args, work)
+        return
     draft, step = checkpoint_draft(work / "ckpt")
     if args.published and arch_of(draft) == "dspark":
         raise ValueError(
@@ -526,6 +589,23 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
     if args.published:
         print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")
+
+
+def run_export_mtp(args: argparse.Namespace, work: Path) -> None:
+    """The target's checkpoint carrying the trained MTP layer (`mtp.export_mtp`)."""
+    from .mtp import MTP_FILE, checkpoint_mtp, export_mtp
+
+    for flag in ("published", "draft_vocab"):
+        if getattr(args, flag):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} is for DFlash drafters: an MTP layer is written "
+                "in the layout DeepSeek-V3 checkpoints carry theirs, and drafts over every token"
+            )
+    target = target_dir(args)
+    draft, step = checkpoint_mtp(work / "ckpt", target)
+    card = Path(args.card).read_text() if args.card else f"# MTP layer, step {step}\n"
+    out = export_mtp(draft, target, Path(args.out), card, args.dtype)
+    print(f"wrote {out} (the target, its MTP layer in {MTP_FILE}; --model {out} --draft mtp)")
 
 
 def run_finetune(args: argparse.Namespace, work: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -325,12 +326,25 @@ class Trainer:
         self.vocab = mx.array(vocab.astype(np.int32))
         rows = weight[self.vocab]
         mx.eval(rows)
-        self.head = partial(draft.head_logits, lm_head=lambda h: h @ rows.T)
+        self.head = self.loss_head(rows)
         self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
         self.optimizer.init(draft.trainable_parameters())
         self.step = 0
-        self.weights = position_weights(draft.config.block_size, cfg.gamma)
+        self.weights = position_weights(self.label_block, cfg.gamma)
         self._grad = nn.value_and_grad(draft, self._loss)
+
+    @property
+    def label_block(self) -> int:
+        """The positions a training block covers: the anchor and its labels."""
+        return self.draft.config.block_size
+
+    def loss_head(self, rows: mx.array) -> Callable[[mx.array], mx.array]:
+        """The drafter's logits over the loss vocabulary (`rows` of the LM head)."""
+        return partial(self.draft.head_logits, lm_head=lambda h: h @ rows.T)
+
+    def draft_state(self) -> dict:
+        """What a checkpoint's state.json says of the drafter (`checkpoint_draft` reads it)."""
+        return {"draft": self.draft.config.to_dict()}
 
     def _loss(self, batch: list[tuple]) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
         """(loss, hits, its parts): a DFlash 2 drafter's token and selector losses, none for
@@ -361,7 +375,7 @@ class Trainer:
             np.array(seq.top_ids),
             np.array(seq.top_logp, dtype=np.float32),
             anchors,
-            self.draft.config.block_size,
+            self.label_block,
         )
         index = self.to_vocab[top_ids]
         probs = np.exp(top_logp) * (index >= 0)
@@ -371,7 +385,7 @@ class Trainer:
     def _batch(self, pairs: list[tuple[Sequence, np.ndarray]]) -> tuple[list, list]:
         """The loss inputs of all blocks of `pairs`, and each block's label-validity mask."""
         labelled = [
-            (seq, anchors, *block_labels(seq.ids, anchors, self.draft.config.block_size, seq.path))
+            (seq, anchors, *block_labels(seq.ids, anchors, self.label_block, seq.path))
             for seq, anchors in pairs
         ]
         norm = sum((self.weights * ok).sum() for *_, ok in labelled)
@@ -383,7 +397,7 @@ class Trainer:
                 mx.array(self.to_vocab[labels]),
                 mx.array(self.weights * ok / norm),
                 self._soft(seq, anchors),
-                mx.array(block_predecessors(seq.ids, anchors, self.draft.config.block_size)),
+                mx.array(block_predecessors(seq.ids, anchors, self.label_block)),
             )
             for seq, anchors, labels, ok in labelled
         ]
@@ -452,7 +466,7 @@ class Trainer:
         tmp.mkdir(parents=True)
         save_weights(tmp / "draft.safetensors", dict(tree_flatten(self.draft.parameters())))
         save_weights(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
-        state = {"step": self.step, "train": asdict(self.cfg), "draft": self.draft.config.to_dict()}
+        state = {"step": self.step, "train": asdict(self.cfg), **self.draft_state()}
         (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
         replace_dir(path, tmp, previous_checkpoint(path))
 
