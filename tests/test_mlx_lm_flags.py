@@ -249,7 +249,8 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     """mlx_lm.generate command lines, `mlx_lm` swapped for `dflash-mlx` and a drafter added,
     print what mlx_lm.generate prints for them (greedy): a raw prompt, a chat with a system
     prompt and an extra end-of-sequence token, one with the reply's start given (a target
-    without a BOS token: mlx-lm adds none to a templated prompt), and one with a LoRA adapter.
+    without a BOS token), a templated prompt for a tokenizer that adds a BOS (mlx-lm adds
+    none: the template writes the special tokens), and one with a LoRA adapter.
     Each runs in this process; the first again as a child, whose streams hold nothing else."""
     target, draft = make_pair("qwen3-tied-gqa")
     model, tokenizer, _ = loaded("qwen3-tied-gqa")
@@ -265,7 +266,9 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     llama, llama_draft = make_pair("llama-tied-gqa")
     raw = f"--model {llama} --prompt 'Alice has' -m 8 --ignore-chat-template --verbose False"
     adapted = f"{raw} --adapter-path {save_adapter(llama, tmp_path / 'adapter')}"
+    with_bos = f"--model {llama} --prompt 'Alice has' -m 8 --verbose False"
     lines = ((templated, draft), (prefilled, draft), (raw, llama_draft), (adapted, llama_draft))
+    lines += ((with_bos, llama_draft),)
     commands, replies = [], []
     for line, drafter in lines:
         expected = mlx_lm_generate(line)
