@@ -14,7 +14,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy, parse_mlx_lm_verbose
+from helpers import chat_ids, mlx_lm_greedy, parse_mlx_lm_verbose
 from mlx.utils import tree_flatten
 from mlx_lm import cli as mlx_lm_cli
 from test_cli import dflash, dflash_in_process
@@ -255,7 +255,7 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     target, draft = make_pair("qwen3-tied-gqa")
     model, tokenizer, _ = loaded("qwen3-tied-gqa")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    ids = tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False)
+    ids = chat_ids(tokenizer, messages)
     tokens, _ = mlx_lm_greedy(model, ids, 16, set(tokenizer.eos_token_ids))
     stop = tokens[3]  # a token of the reply, made an end of sequence: the reply ends before it
     templated = (
