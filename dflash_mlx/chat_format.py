@@ -77,10 +77,17 @@ def chat_prompt(
     )
 
 
+def encode_chat(tokenizer: TokenizerWrapper, text: str) -> list[int]:
+    """Token ids of a conversation `chat_prompt` rendered, as mlx-lm's generate, chat and
+    server encode it: a chat template writes every special token it wants, so none is
+    added; the plain role format gets the tokenizer's own (its BOS)."""
+    return tokenizer.encode(text, add_special_tokens=not has_chat_template(tokenizer))
+
+
 def render(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> list[int]:
     """Token ids of `prompt`, as one user turn of the conversation format when `chat`."""
     if chat:
-        prompt = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+        return encode_chat(tokenizer, chat_prompt(tokenizer, [{"role": "user", "content": prompt}]))
     return encode_prompt(tokenizer, prompt)
 
 

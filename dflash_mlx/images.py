@@ -25,11 +25,13 @@ def image_prompt(
     config: dict,
     prompt: str,
     files: list[str | Path],
+    templated: bool = False,
 ) -> tuple[list[int], mx.array]:
-    """(the prompt's token ids, one input row per id) for `prompt` (rendered, with one
-    placeholder per image) and the image `files` in order; `config` is the model's
-    config.json. One-line ValueErrors for a model that takes no images, a file that is not
-    an image, or placeholders that do not match the files."""
+    """(the prompt's token ids, one input row per id) for `prompt` (with one placeholder per
+    image; `templated`: rendered by the chat template, which wrote its special tokens) and
+    the image `files` in order; `config` is the model's config.json. One-line ValueErrors
+    for a model that takes no images, a file that is not an image, or placeholders that do
+    not match the files."""
     processor = load_processor(model, config)
     if processor is None or not hasattr(model, "embed_inputs"):
         model_type = getattr(model, "model_type", type(model).__name__)
@@ -44,7 +46,10 @@ def image_prompt(
         raise ValueError(
             f"{exc} Put one {processor.image_token} in the prompt where each image goes."
         ) from None
-    ids = encode_prompt(tokenizer, text)
+    if templated:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = encode_prompt(tokenizer, text)
     rows = model.embed_inputs(mx.array(ids), pixel_values=pixel_values)
     mx.eval(rows)
     return ids, rows

@@ -28,7 +28,7 @@ def main() -> None:
     model, tokenizer = load(model_dir)
     draft = load_draft(draft_dir)
     messages = [{"role": "user", "content": args.prompt}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # token ids
     generate(model, draft, tokenizer, prompt, max_tokens=args.max_tokens, verbose=True)
 
 

@@ -322,6 +322,18 @@ def fixed_blocks(work: Path) -> tuple[list, np.ndarray]:
     return [(s, np.arange(s.start, len(s.ids) - 1)) for s in data[:4]], vocab
 
 
+def chat_ids(
+    tokenizer, messages: list[dict], tools: list | None = None, **template_kwargs
+) -> list[int]:
+    """Token ids of a conversation as mlx-lm's generate, chat and server encode it: the chat
+    template's text, ready for the reply, with no special token added (the template writes
+    those it wants)."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 

@@ -17,11 +17,11 @@ from unittest import mock
 import mlx.core as mx
 import pexpect
 import pytest
-from helpers import copy_dir, mlx_lm_greedy, parse_mlx_lm_verbose, save_target
+from helpers import chat_ids, copy_dir, mlx_lm_greedy, parse_mlx_lm_verbose, save_target
 from test_generate import oracle_for
 
 from dflash_mlx import GenerationSettings, cli, options
-from dflash_mlx.chat_format import chat_prompt, plain_chat
+from dflash_mlx.chat_format import plain_chat
 from dflash_mlx.cli.chat import Chat
 
 TIMEOUT = 90
@@ -39,14 +39,15 @@ def greedy_text(
     """Text and token count of mlx-lm's own greedy decode of `prompt` (a user message, or
     the raw text), as streamed text; `settings` for `make_logits_processors`."""
     model, tokenizer, _ = loaded(name)
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
-    return decode_greedy(model, tokenizer, text, max_tokens, **settings)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
+    return decode_greedy(model, tokenizer, ids, max_tokens, **settings)
 
 
 def decode_greedy(
     model, tokenizer, prompt: str | list[int], max_tokens: int, **settings
 ) -> tuple[str, int]:
-    """`greedy_text` of an already rendered prompt (or its token ids)."""
+    """`greedy_text` of a raw prompt (encoded with the tokenizer's special tokens, as
+    mlx_lm.generate encodes a prompt without the chat template) or of token ids."""
     eos = set(tokenizer.eos_token_ids)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     tokens, _ = mlx_lm_greedy(model, ids, max_tokens, eos, **settings)
@@ -117,10 +118,10 @@ def test_generate_penalties_logit_bias_and_template_config_equal_mlx_lm(make_pai
     out = dflash_in_process(command, "Alice has")
     assert out.returncode == 0, out.stderr
     model, tokenizer, _ = loaded("llama-tools")
-    text = chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}], style="terse")
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Alice has"}], style="terse")
     settings = dict(repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={57: 6.0})
-    expected, n = decode_greedy(model, tokenizer, text, 16, **settings)
-    assert expected != decode_greedy(model, tokenizer, text, 16)[0]
+    expected, n = decode_greedy(model, tokenizer, ids, 16, **settings)
+    assert expected != decode_greedy(model, tokenizer, ids, 16)[0]
     assert json.loads(out.stdout)["text"] == expected
     with pytest.raises(SystemExit) as bad:  # a usage error, before anything loads
         cli.main(shlex.split(f"generate --model {target} --draft {draft} --logit-bias 5 -p x"))
@@ -133,9 +134,9 @@ def test_chat_template_config_reaches_every_turn(loaded, capsys):
         model, tokenizer, draft, GenerationSettings(max_tokens=4), None, True, {"style": "terse"}
     )
     chat.ask("How many apples?")
-    text = chat_prompt(tokenizer, chat.messages[:1], style="terse")
-    assert "(terse)" in text
-    assert chat.cache.tokens[: len(tokenizer.encode(text))] == tokenizer.encode(text)
+    ids = chat_ids(tokenizer, chat.messages[:1], style="terse")
+    assert "(terse)" in tokenizer.decode(ids)
+    assert chat.cache.tokens[: len(ids)] == ids
 
 
 def test_a_prefill_that_takes_time_draws_its_progress_and_a_quick_one_does_not(
@@ -399,7 +400,7 @@ def test_chat_reads_a_pasted_line_longer_than_the_terminal_line_limit(make_pair,
     line = " ".join(f"Alice has {n} apples." for n in range(400))
     assert len(line) > 6000
     _, tokenizer, _ = loaded("llama-tied-gqa")
-    prompt = len(tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": line}])))
+    prompt = len(chat_ids(tokenizer, [{"role": "user", "content": line}]))
     child = spawn_chat(make_pair, "-m", "1")
     # Written from a thread while `expect` reads: the echo of 6,000 characters fills the
     # terminal's output buffer, which would stall the child, and with it the write.
@@ -476,7 +477,7 @@ def chat_session(loaded, reuse: bool, capsys) -> tuple[list[dict], list[int]]:
 
 def test_chat_reports_the_known_tau_of_an_oracle_drafter(loaded, capsys):
     model, tokenizer, draft = loaded("llama-untied-mha")
-    ids = tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": "Alice has"}]))
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Alice has"}])
     oracle, tau = oracle_for(model, tokenizer, draft, ids, 21, 4)
     Chat(model, tokenizer, oracle, GenerationSettings(max_tokens=21, block_size=4), None, True).ask(
         "Alice has"

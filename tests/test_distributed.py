@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from distributed_rank import MAX_TOKENS, QWEN3_5_UNTIED, SAMPLED, tapped_features
-from helpers import parse_mlx_lm_verbose, reference_greedy, set_eos
+from helpers import chat_ids, parse_mlx_lm_verbose, reference_greedy, set_eos
 from openai import APIConnectionError, InternalServerError, OpenAI
 from test_families import PROMPT, build
 
@@ -125,10 +125,13 @@ def launch(
     return proc.returncode, out, err
 
 
-def one_process_reply(models: tuple, text: str, max_tokens: int) -> str:
-    """The greedy reply of one process, with the block size every launched run here uses."""
+def one_process_reply(models: tuple, prompt: str | list[int], max_tokens: int) -> str:
+    """The greedy reply of one process to a raw prompt or token ids, with the block size
+    every launched run here uses."""
     model, tokenizer, drafter = models
-    return dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=max_tokens, block_size=4)
+    return dflash_mlx.generate(
+        model, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=4
+    )
 
 
 def model_flags(pair: tuple[Path, Path], max_tokens: int) -> list[str]:
@@ -142,8 +145,8 @@ def test_mlx_launch_generate_prints_the_single_process_reply_once(make_pair, loa
     monkeypatch.setenv("PATH", os.defpath)
     tokenizer = loaded("llama-untied-mha")[1]
     prompt = "How many apples?"
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected = one_process_reply(loaded("llama-untied-mha"), text, 20)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    expected = one_process_reply(loaded("llama-untied-mha"), ids, 20)
     assert len(expected) > 5
     argv = ["generate", *model_flags(make_pair("llama-untied-mha"), 20), "-p", prompt]
     status, out, err = launch([*argv, "--block-size", "4"], n=4)
@@ -158,8 +161,8 @@ def test_mlx_launch_adapts_block_sizes_alike_on_every_rank(make_pair, loaded):
     in step, and the reply is the one process's greedy reply, printed once. A qwen3 target:
     llama-tied-gqa is sharded over 2 ranks by the next tests (chat, bench, serve)."""
     model, tokenizer, drafter = loaded("qwen3-untied-mha")
-    text = chat_prompt(tokenizer, [{"role": "user", "content": "How many apples?"}])
-    expected = dflash_mlx.generate(model, drafter, tokenizer, text, max_tokens=30, block_size=1)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "How many apples?"}])
+    expected = dflash_mlx.generate(model, drafter, tokenizer, ids, max_tokens=30, block_size=1)
     argv = ["generate", *model_flags(make_pair("qwen3-untied-mha"), 30), "-p", "How many apples?"]
     status, out, err = launch([*argv, "--json"])
     assert status == 0, err
@@ -174,25 +177,26 @@ def test_mlx_launch_chat_replies_as_one_process_with_the_prompt_cache(make_pair,
     questions, messages, expected = ["How many apples?", "And pears?"], [], []
     for question in questions:  # one process, each turn prefilled whole
         messages.append({"role": "user", "content": question})
-        text = chat_prompt(tokenizer, messages)
-        expected.append(one_process_reply(loaded("llama-tied-gqa"), text, 12))
+        ids = chat_ids(tokenizer, messages)
+        expected.append(one_process_reply(loaded("llama-tied-gqa"), ids, 12))
         messages.append({"role": "assistant", "content": expected[-1]})
     argv = ["chat", *model_flags(make_pair("llama-tied-gqa"), 12), "--block-size", "4"]
     status, out, err = launch(argv, stdin="\n".join([*questions, "/stats", "/quit", ""]))
     assert status == 0, err
     assert out.startswith("dflash-mlx chat: /help for commands, /quit to exit\n>> "), out
-    for reply in expected:
-        assert out.count(f">> {reply}\n[") == 1, (reply, out)  # printed once, by rank 0
+    for reply in expected:  # as the pipe's text reads it: a "\r" ends a line
+        shown = reply.replace("\r\n", "\n").replace("\r", "\n")
+        assert out.count(f">> {shown}\n[") == 1, (reply, out)  # printed once, by rank 0
     new = [int(n) for n in re.findall(r"\((\d+) new\)\]", out)]
-    assert len(new) == 2 and new[1] < len(tokenizer.encode(chat_prompt(tokenizer, messages)))
+    assert len(new) == 2 and new[1] < len(chat_ids(tokenizer, messages))
     assert "[2 turns, 4 messages" in out
 
 
 def test_mlx_launch_bench_runs_in_lockstep_and_rank_0_alone_reports(make_pair, loaded, tmp_path):
     tokenizer = loaded("llama-tied-gqa")[1]
     prompt = "How many apples?"
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected = one_process_reply(loaded("llama-tied-gqa"), text, 8)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    expected = one_process_reply(loaded("llama-tied-gqa"), ids, 8)
     (tmp_path / "prompts.json").write_text(json.dumps([prompt]))  # read by rank 0 alone
     argv = ["bench", *model_flags(make_pair("llama-tied-gqa"), 8), "--block-size", "4"]
     argv[argv.index("-m")] = "--max-tokens"
@@ -229,8 +233,8 @@ def test_serve_under_the_launcher_answers_the_openai_client_and_ends_cleanly(
 ):
     tokenizer = loaded("llama-tied-gqa")[1]
     messages = [{"role": "user", "content": "How many apples?"}]
-    text = chat_prompt(tokenizer, messages)
-    expected = one_process_reply(loaded("llama-tied-gqa"), text, 12)
+    expected = one_process_reply(loaded("llama-tied-gqa"), chat_ids(tokenizer, messages), 12)
+    text = chat_prompt(tokenizer, messages)  # sent as a text completion: encoded with the BOS
     port = free_ports(1)[0]
     argv = [sys.executable, "-m", "dflash_mlx", "serve", "--block-size", "4", "--port", str(port)]
     with ranks([*argv, *model_flags(make_pair("llama-tied-gqa"), 12)], tmp_path) as procs:

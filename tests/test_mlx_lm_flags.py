@@ -14,7 +14,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy, parse_mlx_lm_verbose
+from helpers import chat_ids, mlx_lm_greedy, parse_mlx_lm_verbose
 from mlx.utils import tree_flatten
 from mlx_lm import cli as mlx_lm_cli
 from test_cli import dflash, dflash_in_process
@@ -249,12 +249,13 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     """mlx_lm.generate command lines, `mlx_lm` swapped for `dflash-mlx` and a drafter added,
     print what mlx_lm.generate prints for them (greedy): a raw prompt, a chat with a system
     prompt and an extra end-of-sequence token, one with the reply's start given (a target
-    without a BOS token: mlx-lm adds none to a templated prompt), and one with a LoRA adapter.
+    without a BOS token), a templated prompt for a tokenizer that adds a BOS (mlx-lm adds
+    none: the template writes the special tokens), and one with a LoRA adapter.
     Each runs in this process; the first again as a child, whose streams hold nothing else."""
     target, draft = make_pair("qwen3-tied-gqa")
     model, tokenizer, _ = loaded("qwen3-tied-gqa")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    ids = tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False)
+    ids = chat_ids(tokenizer, messages)
     tokens, _ = mlx_lm_greedy(model, ids, 16, set(tokenizer.eos_token_ids))
     stop = tokens[3]  # a token of the reply, made an end of sequence: the reply ends before it
     templated = (
@@ -265,7 +266,9 @@ def test_generate_runs_mlx_lm_command_lines_unchanged(make_pair, loaded, tmp_pat
     llama, llama_draft = make_pair("llama-tied-gqa")
     raw = f"--model {llama} --prompt 'Alice has' -m 8 --ignore-chat-template --verbose False"
     adapted = f"{raw} --adapter-path {save_adapter(llama, tmp_path / 'adapter')}"
+    with_bos = f"--model {llama} --prompt 'Alice has' -m 8 --verbose False"
     lines = ((templated, draft), (prefilled, draft), (raw, llama_draft), (adapted, llama_draft))
+    lines += ((with_bos, llama_draft),)
     commands, replies = [], []
     for line, drafter in lines:
         expected = mlx_lm_generate(line)

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from helpers import build_tokenizer, reference_greedy
+from helpers import build_tokenizer, chat_ids, reference_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models import deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_5_moe, qwen3_next
 from mlx_lm.models.base import create_attention_mask
@@ -43,7 +43,6 @@ from dflash_mlx import (
     make_prompt_cache,
     stream_generate,
 )
-from dflash_mlx.chat_format import chat_prompt
 from dflash_mlx.decode import cycle
 from dflash_mlx.decode.adaptive import Plan
 from dflash_mlx.decode.plan import FixedPlan
@@ -427,8 +426,8 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
     path, model, _, _, _ = checkpoints("qwen3_next")
     _, tokenizer = load(path)
     prompt = "def add(a, b):"
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected, _ = decode_greedy(model, tokenizer, text, 40)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    expected, _ = decode_greedy(model, tokenizer, ids, 40)
     out = dflash_in_process(
         f"generate --model {path} --draft mtp --max-tokens 40 --block-size 3 --json -p '{prompt}'"
     )

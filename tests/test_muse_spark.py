@@ -190,15 +190,21 @@ def vision_model(emulated_kernels, tmp_path_factory):
     return path, draft, path / "image.png"
 
 
-def mlx_lm_image_reply(path, prompt: str, image, max_tokens: int, rows: bool = True) -> str:
-    """mlx_lm.generate --image's reply (greedy, raw prompt), by the functions its main calls;
-    without `rows`, the image's placeholders run as tokens instead of its rows."""
+def mlx_lm_image_reply(
+    path, prompt: str, image, max_tokens: int, rows: bool = True, templated: bool = False
+) -> str:
+    """mlx_lm.generate --image's reply (greedy), by the functions its main calls, to the raw
+    prompt or (`templated`) to it as a user turn of the chat template; without `rows`, the
+    image's placeholders run as tokens instead of its rows."""
     from PIL import Image
 
     model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+    if templated:
+        messages = [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     images = [np.asarray(Image.open(image).convert("RGB"))]
     prompt, pixel_values = load_processor(model, config)(prompt, images=images)
-    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=not templated)
     embeddings = None
     if rows:
         embeddings = model.embed_inputs(mx.array(ids), pixel_values=pixel_values)
@@ -210,15 +216,21 @@ def mlx_lm_image_reply(path, prompt: str, image, max_tokens: int, rows: bool = T
 
 
 def test_an_image_prompt_equals_mlx_lm_generate_image(vision_model, capsys):
+    """Raw and (the default) as a user turn of the chat template, which writes the special
+    tokens it wants: mlx-lm adds none to it."""
     path, draft, image = vision_model
     argv = ["generate", "--model", str(path), "--draft", str(draft), "-p", IMAGE_PROMPT]
-    argv += ["--image", str(image), "--ignore-chat-template", "--verbose", "False"]
-    cli.main([*argv, "-m", str(IMAGE_REPLY_TOKENS), "--block-size", "4"])
+    argv += ["--image", str(image), "--verbose", "False", "-m", str(IMAGE_REPLY_TOKENS)]
+    argv += ["--block-size", "4"]
+    cli.main([*argv, "--ignore-chat-template"])
     reply = capsys.readouterr().out
     expected = mlx_lm_image_reply(path, IMAGE_PROMPT, image, IMAGE_REPLY_TOKENS)
     assert reply == expected + "\n"
     # the image's rows made the reply: its placeholders run as tokens give another
     assert mlx_lm_image_reply(path, IMAGE_PROMPT, image, IMAGE_REPLY_TOKENS, rows=False) != expected
+    cli.main(argv)
+    templated = mlx_lm_image_reply(path, IMAGE_PROMPT, image, IMAGE_REPLY_TOKENS, templated=True)
+    assert capsys.readouterr().out == templated + "\n"
 
 
 def test_an_image_for_a_model_without_images_or_placeholder_is_refused_in_one_line(

@@ -22,7 +22,7 @@ from test_stops import stop_in
 
 import dflash_mlx
 from dflash_mlx import GenerationSettings, cli
-from dflash_mlx.chat_format import chat_prompt, plain_chat
+from dflash_mlx.chat_format import plain_chat
 from dflash_mlx.serve import Worker, create_app
 
 MODEL = "llama-tied-gqa"  # the id the server lists: its directory's name
@@ -403,27 +403,28 @@ def test_a_tool_call_round_trip(tool_client, loaded):
         {"role": "assistant", "content": "", "tool_calls": [rendered_call]},
         {"role": "tool", "content": "22 C and sunny"},
     ]
-    text = chat_prompt(tokenizer, template_messages, [WEATHER])
+    ids = helpers.chat_ids(tokenizer, template_messages, [WEATHER])
+    text = tokenizer.decode(ids)
     assert '"get_weather"' in text and "22 C and sunny" in text
-    expected, n = decode_greedy(model, tokenizer, text, 12)
+    expected, n = decode_greedy(model, tokenizer, ids, 12)
     assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == n
-    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+    assert reply.usage.prompt_tokens == len(ids)
 
 
 def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
     model, tokenizer, _ = loaded("llama-tools")
     messages = [{"role": "user", "content": PROMPTS[0]}]
-    text = chat_prompt(tokenizer, messages, style="terse")
-    assert "(terse)" in text
+    ids = helpers.chat_ids(tokenizer, messages, style="terse")
+    assert "(terse)" in tokenizer.decode(ids)
     reply = tool_client.chat.completions.create(
         model="llama-tools",
         messages=messages,
         max_tokens=10,
         extra_body={"chat_template_kwargs": {"style": "terse"}},
     )
-    expected, _ = decode_greedy(model, tokenizer, text, 10)
+    expected, _ = decode_greedy(model, tokenizer, ids, 10)
     assert reply.choices[0].message.content == expected
-    assert reply.usage.prompt_tokens == len(tokenizer.encode(text))
+    assert reply.usage.prompt_tokens == len(ids)
     plain = tool_client.chat.completions.create(
         model="llama-tools", messages=messages, max_tokens=10
     )
@@ -433,9 +434,9 @@ def test_chat_template_kwargs_reach_the_template(tool_client, loaded):
 def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
     model, tokenizer, _ = loaded("llama-tied-gqa")
     settings = dict(presence_penalty=0.5)  # logprobs are after the processors, as mlx-lm's
-    text = chat_prompt(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
+    ids = helpers.chat_ids(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
     eos = set(tokenizer.eos_token_ids)
-    tokens, vectors = helpers.mlx_lm_greedy(model, tokenizer.encode(text), 12, eos, **settings)
+    tokens, vectors = helpers.mlx_lm_greedy(model, ids, 12, eos, **settings)
     request = dict(max_tokens=12, logprobs=True, top_logprobs=3, presence_penalty=0.5)
 
     def check(entries) -> None:
@@ -462,7 +463,7 @@ def test_logprobs_equal_mlx_lm_s_streaming_or_not(client, loaded):
     assert chat(client, PROMPTS[2], max_tokens=4).choices[0].logprobs is None
 
     completion = client.completions.create(
-        model=MODEL, prompt=text, max_tokens=12, logprobs=2, presence_penalty=0.5
+        model=MODEL, prompt=ids, max_tokens=12, logprobs=2, presence_penalty=0.5
     )
     logprobs = completion.choices[0].logprobs  # the completions API's shape too
     assert logprobs.tokens == tokenizer.convert_ids_to_tokens(tokens)

@@ -8,12 +8,12 @@ import os
 import shutil
 
 import pytest
+from helpers import chat_ids
 from test_cli import decode_greedy
 from test_generate import oracle_for
 from test_server import JSON, running_server, serving
 
 from dflash_mlx import GenerationSettings
-from dflash_mlx.chat_format import chat_prompt, encode_prompt
 from dflash_mlx.serve import Policy, Worker
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -101,7 +101,7 @@ def test_the_page_marks_accepted_drafts_and_shows_tau_live(loaded, browser, tmp_
     them; τ is the oracle's known one. Drafting off: the same text, no drafts, τ 1."""
     model, tokenizer, draft = loaded("llama-untied-mha")
     max_tokens, block_size = 40, 4
-    ids = encode_prompt(tokenizer, chat_prompt(tokenizer, [{"role": "user", "content": QUESTION}]))
+    ids = chat_ids(tokenizer, [{"role": "user", "content": QUESTION}])
     oracle, tau = oracle_for(model, tokenizer, draft, ids, max_tokens, block_size)
     settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size)
     worker = Worker(model, tokenizer, oracle, settings)

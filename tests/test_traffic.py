@@ -10,7 +10,6 @@ from test_server import MODEL, PROMPTS, openai_client, running_server
 
 import dflash_mlx
 from dflash_mlx import cli
-from dflash_mlx.chat_format import chat_prompt, encode_prompt
 from dflash_mlx.paths import cache_dir
 from dflash_mlx.train.data import lockstep_replies, read_records
 from dflash_mlx.train.prompts import build_prompts
@@ -35,7 +34,7 @@ def test_a_recorded_server_run_is_a_directory_the_trainer_reads(make_pair, tmp_p
     records = read_records(record / "replies.jsonl")
     assert len(records) == len(asked)
     for rec, messages, reply in zip(records, asked, replies):
-        prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, messages))
+        prompt = helpers.chat_ids(tokenizer, messages)
         assert rec["ids"][: rec["start"]] == prompt
         greedy, _ = helpers.mlx_lm_greedy(model, prompt, 8, set(tokenizer.eos_token_ids))
         assert rec["ids"][rec["start"] :] == greedy
@@ -99,7 +98,7 @@ def test_finetune_from_conversations_writes_a_lossless_drafter(make_pair, tmp_pa
     records = read_records(work / "replies.jsonl")
     assert len(records) == 72
     model, tokenizer = dflash_mlx.load(str(target))
-    first = encode_prompt(tokenizer, chat_prompt(tokenizer, lines[0]["messages"][:1]))
+    first = helpers.chat_ids(tokenizer, lines[0]["messages"][:1])
     assert records[0]["ids"][: records[0]["start"]] == first
     entries = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
     steps = round(0.5 * (64 - 4) / 2)
@@ -138,7 +137,7 @@ def test_lockstep_replies_are_the_targets_greedy_replies(loaded):
     """`train data`'s lockstep batches (left-padded prompts of several lengths, finished rows
     dropped as they go) give each prompt mlx-lm's own greedy reply, EOS included."""
     model, tokenizer, _ = loaded(MODEL)
-    prompts = build_prompts(200, seed=5)[:7]
+    prompts = build_prompts(200, seed=6)[:7]  # one of them stops at 18 tokens
     records = list(lockstep_replies(model, tokenizer, prompts, 40, batch_size=3))
     assert sorted(r["id"] for r in records) == sorted(p["id"] for p in prompts)
     eos = set(tokenizer.eos_token_ids)

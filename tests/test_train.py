@@ -226,9 +226,10 @@ def test_a_few_hundred_steps_raise_tau(workdir, tmp_path):
     for s in range(cfg.steps):
         trainer.train_step(step_batch(data, s, cfg, 8))
     after = decode_tau(model, trainer.draft, tokenizer, held_out, 32)
-    # A random drafter is never accepted (τ 1.0); at its block of 8 this one reaches τ 1.11-1.13
-    # (seeds 0-2), so it accepts a draft in about one cycle in nine.
-    assert before == 1.0 and after > 1.05, (before, after)
+    # This target's replies fall into runs of one repeated token, which a random drafter
+    # (through the target's own head) guesses in 1 cycle of 240 (τ 1.004, drafter seeds 0-2
+    # alike) and this one learns: at its block of 8 it reaches τ 2.9-3.1 (seeds 0-2).
+    assert before < 1.01 and after > 2.5, (before, after)
 
     # Validation's teacher-forced hits on a greedy reply are what decoding accepts: from each
     # anchor, the first cycle of stream_generate on the prefix accepts the same prefix.

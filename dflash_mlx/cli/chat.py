@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from ..chat_format import chat_prompt, encode_prompt
+from ..chat_format import chat_prompt, encode_chat
 from ..decode.prompt_cache import make_prompt_cache
 from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
@@ -109,7 +109,7 @@ class Chat:
         """Stream the answer to `text` to stdout, then its stats line."""
         self.messages.append({"role": "user", "content": text})
         text = chat_prompt(self.tokenizer, self.messages, **self.template_kwargs)
-        prompt = encode_prompt(self.tokenizer, text)
+        prompt = encode_chat(self.tokenizer, text)
         room = self.max_context - len(prompt) if self.max_context else self.settings.max_tokens
         if room < 1:
             self.messages.pop()

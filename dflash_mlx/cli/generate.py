@@ -16,7 +16,7 @@ import json
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..chat_format import chat_prompt, continued_prompt, has_chat_template
+from ..chat_format import chat_prompt, continued_prompt, encode_chat, has_chat_template
 from ..decode.stops import stop_at_strings
 from ..generate import stream_generate
 from ..images import image_prompt
@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> None:
         if cache is not None:
             raise ValueError("--image cannot go on from a cached prompt (--prompt-cache-file)")
         config = read_config(resolve_path(args.model, "target model", TARGET_PATTERNS))
-        prompt, embeddings = image_prompt(model, tokenizer, config, prompt, args.image)
+        prompt, embeddings = image_prompt(model, tokenizer, config, prompt, args.image, chat)
+    elif chat and cache is None:
+        prompt = encode_chat(tokenizer, prompt)
     stats = ReplyStats()
     settings = generation_settings(args, tokenizer)
     rank0 = is_rank0(group)

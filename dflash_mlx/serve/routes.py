@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from ..chat_format import chat_prompt
+from ..chat_format import chat_prompt, encode_chat
 from ..options import PROCESSOR_SETTINGS
 from .guards import Policy, parse
 from .schemas import PROMPT_CHARS_PER_TOKEN, ChatRequest, CompletionParams, TextRequest
@@ -80,7 +80,10 @@ class Api:
         template_kwargs = {**worker.template_kwargs, **(body.chat_template_kwargs or {})}
         try:
             ids = await worker.prepare(
-                lambda: chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs)
+                lambda: encode_chat(
+                    worker.tokenizer,
+                    chat_prompt(worker.tokenizer, messages, body.tools, **template_kwargs),
+                )
             )
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             return error(400, f"messages: the chat template failed: {exc}", "messages")

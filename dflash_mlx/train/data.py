@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..chat_format import chat_prompt, encode_prompt, render
+from ..chat_format import chat_prompt, encode_chat, render
 
 
 def read_text(path: Path) -> str:
@@ -162,7 +162,7 @@ def record_of(prompt: dict, prompt_ids: list[int], reply: list[int]) -> dict:
 def templated_ids(tokenizer: TokenizerWrapper, prompt: dict) -> list[int]:
     """A prompt's token ids, chat-templated as it is served."""
     if "messages" in prompt:
-        return encode_prompt(tokenizer, chat_prompt(tokenizer, prompt["messages"]))
+        return encode_chat(tokenizer, chat_prompt(tokenizer, prompt["messages"]))
     return render(tokenizer, prompt["prompt"], chat=True)
 
 
