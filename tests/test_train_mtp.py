@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from test_cli import decode_greedy, dflash_in_process
 
 import dflash_mlx
-from dflash_mlx.chat_format import chat_prompt, render
+from dflash_mlx.chat_format import render
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.train.data import extend_dataset, read_records
 from dflash_mlx.train.features import cache_features, load_features
@@ -93,8 +93,8 @@ def test_training_lowers_the_loss_and_validation_walks_what_decoding_accepts(rep
     assert {"model.layers.6.eh_proj.weight", "model.layers.6.enorm.weight"} <= names
     assert "model.layers.6.shared_head.norm.weight" in names
     prompt = "Tom has 3 apples and buys 5 more. How many?"
-    text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    expected, _ = decode_greedy(model, tokenizer, text, 40)
+    ids = helpers.chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    expected, _ = decode_greedy(model, tokenizer, ids, 40)
     run = f"generate --model {out} --draft mtp --max-tokens 40 --block-size 4 --json -p '{prompt}'"
     result = dflash_in_process(run)
     assert result.returncode == 0, result.stderr
