@@ -1,8 +1,8 @@
 """GGUF import: unit tests on tiny GGUF files written here, then the real SmolLM2.
 
-The real-model tests compare against transformers' own GGUF loader (a second,
-independent reading of the same file: gguf's numpy dequantization, HF naming
-and its own Q/K un-permutation) and need ``gguf``, ``accelerate`` and torch.
+The real-model tests compare against llama.cpp's own reading of the same file
+(llama_cpp_reference.py: the ``gguf`` package's dequantization, a numpy forward
+on the stored Q/K rows with ggml's RoPE, and a plain-Python byte-level BPE).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from llama_cpp_reference import BPETokenizer, GGUFFile, llama_logits
 from mlx.utils import tree_map
 from mlx_lm import generate, load
 from mlx_lm.models import llama
@@ -229,6 +230,24 @@ def test_tiny_gguf_tokenizer(tiny, tmp_path):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm"])
+def test_tiny_gguf_matches_llama_cpp_reading(tmp_path, pre):
+    """Untied output, Q4_0/F16/Q8_0 tensors and both pre-tokenizers, which SmolLM2 lacks."""
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, pre=pre, add_bos=pre == "smollm", rng=np.random.default_rng(2))
+    model, tokenizer = load(str(dgguf.convert_gguf(path, tmp_path / "model")))
+    reference = GGUFFile(path)
+    tokens = [5, 100, 7, 260, 42, 3, 200, 11]
+    (theirs,) = llama_logits(reference, [tokens])
+    np.testing.assert_allclose(
+        np.array(fp32(model)(mx.array([tokens]))[0]), theirs, rtol=0, atol=1e-5
+    )
+    bpe = BPETokenizer(reference)
+    for text in ["the 12 then", " 1234  the\n\tx<|im_end|>", "héllo<|im_start|>the"]:
+        assert tokenizer.encode(text) == bpe.encode(text), text
+        assert bpe.decode(bpe.encode(text)) == ("<|im_start|>" * (pre == "smollm")) + text
+
+
 def test_tokenizer_pre_and_bos_follow_metadata(tmp_path):
     write_tiny_gguf(tmp_path / "t.gguf", pre="smollm", add_bos=True)
     _, metadata = dgguf.read_gguf(tmp_path / "t.gguf")
@@ -301,9 +320,9 @@ SMOLLM2_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "<|im_start|>user\nWhat is 12 * 7? Answer briefly.<|im_end|>\n<|im_start|>assistant\n",
 ]
-# Measured max |diff| 9.3e-5, 1.2e-4, 1.1e-4 on the three prompts (logits up to ~41 in
-# magnitude): float32 summation order only, since both sides dequantize Q4_1/Q8_0 to the same
-# float32 weights. docs/drafters.md quotes this bound.
+# Measured max |diff| 6.6e-5, 9.2e-5, 1.2e-4 on the three prompts (logits up to ~41 in
+# magnitude) against the float64 reference: our float32 summation only, since both sides
+# dequantize Q4_1/Q8_0 to the same float32 weights. docs/drafters.md quotes this bound.
 LOGIT_ATOL_TEXT = "2.5e-4"
 LOGIT_ATOL = float(LOGIT_ATOL_TEXT)
 
@@ -316,34 +335,31 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2[0]
-    kwargs = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype=torch.float32).eval()
-    return torch, model, AutoTokenizer.from_pretrained(**kwargs)
+def smollm2_llama_cpp(smollm2):
+    return GGUFFile(smollm2[0])
 
 
 @pytest.mark.slow
-def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
+def test_smollm2_logits_match_llama_cpp_reading(smollm2, smollm2_llama_cpp):
     _, model, tokenizer = smollm2
-    torch, hf_model, _ = smollm2_hf
-    for prompt in SMOLLM2_PROMPTS:
-        ids = tokenizer.encode(prompt)
+    prompts = [tokenizer.encode(prompt) for prompt in SMOLLM2_PROMPTS]
+    for prompt, ids, theirs in zip(
+        SMOLLM2_PROMPTS, prompts, llama_logits(smollm2_llama_cpp, prompts)
+    ):
         ours = np.array(model(mx.array([ids]))[0])
-        with torch.no_grad():
-            theirs = hf_model(torch.tensor([ids])).logits[0].numpy()
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=LOGIT_ATOL, err_msg=prompt)
         assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     docs = (Path(__file__).parents[1] / "docs" / "drafters.md").read_text()
-    assert f"transformers' own GGUF loader to within {LOGIT_ATOL_TEXT} " in " ".join(docs.split())
+    sentence = (
+        "match llama.cpp's own reading of the file (the gguf package's dequantization and a "
+        f"numpy forward) to within {LOGIT_ATOL_TEXT} "
+    )
+    assert sentence in " ".join(docs.split())
 
 
 @pytest.mark.slow
-def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_hf):
-    tokenizer, hf_tokenizer = smollm2[2], smollm2_hf[2]
+def test_smollm2_tokenizer_matches_llama_cpp_bpe(smollm2, smollm2_llama_cpp):
+    tokenizer, reference = smollm2[2], BPETokenizer(smollm2_llama_cpp)
     for text in [
         "Hello world!",
         "  two spaces,\ttab\n\nand newlines",
@@ -352,10 +368,12 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_hf):
         "<|im_start|>user\nhi<|im_end|>\n",
         "def f(x):\n    return x**2  # square",
         "don't can't I'll we've",
+        "trailing spaces  \n \t",
+        "<repo_name>x<|endoftext|><|im_end|>",
     ]:
         ids = tokenizer.encode(text)
-        assert ids == hf_tokenizer.encode(text), text
-        assert tokenizer.decode(ids) == text
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids) == text == reference.decode(ids)
     assert tokenizer.bos_token == "<|im_start|>" and tokenizer.eos_token_ids == {2}
 
 
