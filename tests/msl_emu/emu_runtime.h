@@ -9,6 +9,7 @@
 // simdgroup functions) is divergence and aborts the run with a message.
 #pragma once
 
+#include <sys/mman.h>
 #include <ucontext.h>
 
 #include <cstdint>
@@ -72,10 +73,28 @@ struct SimdGroup {
   int arg[kSimdWidth];
 };
 
+// Fiber stacks mapped, not allocated: a page is only backed once a fiber touches it,
+// so a threadgroup of 1,024 threads costs the few pages each uses, not 128 MiB zeroed.
+struct Stacks {
+  char* base = nullptr;
+  size_t bytes = 0;
+  explicit Stacks(size_t n) : bytes(n) {
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("msl_emu: mmap of fiber stacks");
+      std::_Exit(2);
+    }
+    base = static_cast<char*>(p);
+  }
+  ~Stacks() { munmap(base, bytes); }
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+};
+
 struct Group {
   std::vector<Fiber> fibers;
   std::vector<SimdGroup> simd;
-  std::vector<char> stacks;
+  Stacks* stacks = nullptr;
   ucontext_t scheduler;
   int barrier_arrived = 0;
   int current = 0;
@@ -209,7 +228,7 @@ inline void run_threadgroup(Group& g, uint3_t tg_pos, uint3_t grid, uint3_t full
     a.threads_per_simdgroup = kSimdWidth;
     a.threads_per_threadgroup = tg;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = g.stacks.data() + tid * kStackBytes;
+    f.ctx.uc_stack.ss_sp = g.stacks->base + tid * kStackBytes;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &g.scheduler;
     makecontext(&f.ctx, fiber_main, 0);
@@ -250,7 +269,8 @@ inline void dispatch(Entry entry, void** buffers, uint3_t grid, uint3_t tg, unsi
   auto work = [&](unsigned worker) {
     Group g;
     g.fibers.resize(n);
-    g.stacks.resize(n * kStackBytes);
+    Stacks stacks(n * kStackBytes);
+    g.stacks = &stacks;
     g.entry = entry;
     g.buffers = buffers;
     g_group = &g;

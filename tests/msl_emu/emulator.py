@@ -105,10 +105,12 @@ class Tensor:
         return a.view(mx.bfloat16) if self.dtype == mx.bfloat16 else a
 
 
-def _build(compiler: str, source: str, out: Path) -> subprocess.CompletedProcess:
+def _build(
+    compiler: str, source: str, out: Path, flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     src = out.with_suffix(".cpp")
     src.write_text(source)
-    cmd = [compiler, *FLAGS, f"-I{SHIM_DIR}", str(src), "-o", str(out)]
+    cmd = [compiler, *FLAGS, *flags, f"-I{SHIM_DIR}", str(src), "-o", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -240,19 +242,46 @@ def _cache_dir() -> Path:
     return path
 
 
-@functools.cache
-def _binary(source: str) -> Path:
+def _compiler() -> str:
     compiler = find_compiler()
     if compiler is None:
         raise CompileError(
             "no C++ compiler with _Float16/__bf16 support (apt-get install clang-19)"
         )
+    return compiler
+
+
+def _shim_key() -> str:
     shim = "".join((SHIM_DIR / f).read_text() for f in ("msl_shim.h", "emu_runtime.h"))
-    key = hashlib.sha256("\0".join([compiler, *FLAGS, shim, source]).encode()).hexdigest()[:24]
+    return hashlib.sha256("\0".join([_compiler(), *FLAGS, shim]).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _precompiled_shim() -> Path:
+    """The shim and runtime parsed once (a clang precompiled header): parsing them is most of
+    a kernel's compile time, and a run compiles every kernel variant it meets."""
+    # clang refuses a header that moved or changed since: its path and times are in the key
+    headers = [SHIM_DIR / f for f in ("metal_stdlib", "msl_shim.h", "emu_runtime.h")]
+    stamp = "\0".join(f"{h}:{h.stat().st_mtime_ns}" for h in headers)
+    key = hashlib.sha256(f"{_shim_key()}\0{stamp}".encode()).hexdigest()[:24]
+    out = _cache_dir() / f"shim_{key}.pch"
+    if not out.exists():
+        tmp = out.with_name(f"{out.name}.{os.getpid()}")
+        cmd = [_compiler(), *FLAGS, "-x", "c++-header", str(SHIM_DIR / "metal_stdlib")]
+        result = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CompileError(result.stderr[-4000:])
+        tmp.replace(out)
+    return out
+
+
+@functools.cache
+def _binary(source: str) -> Path:
+    key = hashlib.sha256(f"{_shim_key()}\0{source}".encode()).hexdigest()[:24]
     out = _cache_dir() / f"kernel_{key}"
     if not out.exists():
         tmp = out.with_name(f"{out.name}.{os.getpid()}")
-        result = _build(compiler, source, tmp)
+        result = _build(_compiler(), source, tmp, ("-include-pch", str(_precompiled_shim())))
         if result.returncode != 0:
             raise CompileError(result.stderr[-4000:])
         tmp.replace(out)
