@@ -356,7 +356,7 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     assert len(calls) > 10
     if name == "glm_moe_dsa":  # the later chains' queries see more keys than the indexer keeps
         assert max(len(sequence) for sequence, _ in calls) > GLM_DSA["index_topk"]
-    for sequence, chain in calls:
+    for sequence, chain in calls[::2]:  # each check reruns the whole sequence
         assert chain == chain_from_scratch(model, draft, name, sequence, len(chain)), len(sequence)
 
 
