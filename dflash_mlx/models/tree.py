@@ -212,16 +212,20 @@ def _beam_sizes(depth: int, width: int, budget: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _depths(sizes: tuple[int, ...]) -> np.ndarray:
+    """Each of the beams' prefixes' depth, flat over depths (1 for the root's children)."""
+    return np.repeat(np.arange(1, len(sizes) + 1), sizes)
+
+
 @lru_cache(maxsize=64)
-def _layout(sizes: tuple[int, ...], width: int) -> tuple[mx.array, mx.array, mx.array]:
-    """For the beams' prefixes, flat over depths: each one's depth, the pool index of the
-    beam before's first prefix (-1 at depth 1: the root), and its depth's first candidate
-    index in the flattened candidates (its row times `width`)."""
-    depth = np.repeat(np.arange(1, len(sizes) + 1), sizes)
+def _layout(sizes: tuple[int, ...], width: int) -> tuple[mx.array, mx.array]:
+    """For the beams' prefixes, flat over depths: the pool index of the beam before's first
+    prefix (-1 at depth 1: the root), and its depth's first candidate index in the flattened
+    candidates (its row times `width`)."""
+    depth = _depths(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
     before = np.where(depth > 1, starts[np.maximum(depth - 2, 0)], -1)
-    first = (depth - 1) * width
-    return mx.array(depth, mx.int32), mx.array(before, mx.int32), mx.array(first, mx.int32)
+    return mx.array(before, mx.int32), mx.array((depth - 1) * width, mx.int32)
 
 
 def _beams(
@@ -252,7 +256,7 @@ def _beams(
             beam_slot = top % width
         scores.append(beam_score)
         tops.append(top)
-    _, before, first = _layout(sizes, width)
+    before, first = _layout(sizes, width)
     top = mx.concatenate(tops) if len(tops) > 1 else tops[0]
     token = mx.take(candidates.reshape(-1), first + top % width).astype(mx.int32)
     parent = before + top // width
@@ -303,7 +307,7 @@ def _chain_layout(sizes: tuple[int, ...], met_depths: int) -> tuple[np.ndarray, 
     prefix's depth - 1 (on the host), each one's index + 1 at depth 1 (0 deeper: added to
     its parent, -1 there, it makes it its own), and which prefixes each of those depths
     holds."""
-    depth = np.repeat(np.arange(len(sizes)), sizes)
+    depth = _depths(sizes) - 1
     own = np.where(depth == 0, np.arange(depth.size) + 1, 0)
     in_depth = depth[None] == np.arange(met_depths)[:, None]
     return depth, mx.array(own, mx.int32), mx.array(in_depth)
@@ -339,10 +343,9 @@ class _Order:
 
 @lru_cache(maxsize=64)
 def _order(sizes: tuple[int, ...], chain: int) -> _Order:
+    """The `_Order` of the beams of `sizes` and a chain of `chain` nodes."""
     size = sum(sizes)
-    depth = np.concatenate(
-        [np.repeat(np.arange(1, len(sizes) + 1), sizes), np.arange(1, chain + 1)]
-    )
+    depth = np.concatenate([_depths(sizes), np.arange(1, chain + 1)])
     index = np.arange(depth.size)
     earlier = (depth[None] < depth[:, None]) | (depth[None] == depth[:, None]) & (
         index[None] < index[:, None]
