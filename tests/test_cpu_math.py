@@ -157,6 +157,25 @@ def test_compiled_rms_norm_and_rope_are_mlx_fast_bit_for_bit(shape):
             assert mx.array_equal(ours, mx.fast.rope(x, shape[-1], **args))
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_rope_given_one_offset_per_query_places_each_query_as_mlx_fast_rope(rows):
+    """A tree forward's queries each at their node's position (no transposes on the CPU):
+    mx.fast.rope places them so when each query is a batch entry of its own."""
+    mx.random.seed(9)
+    x = mx.random.normal((rows, 4, 6, 64)) * 3
+    positions = mx.array([9, 10, 10, 11, 12, 11, 300, 301, 301, 302, 303, 302][: 6 * rows])
+    freqs = Llama3RoPE(64, 8192, False, 500000.0, {"factor": 8.0})._freqs
+    for dims, traditional, base, f in (
+        (64, False, 1e4, None),
+        (32, True, 1e4, None),
+        (64, True, None, freqs),
+    ):
+        args = dict(traditional=traditional, base=base, scale=1.0, offset=positions, freqs=f)
+        placed = x.transpose(0, 2, 1, 3).reshape(rows * 6, 4, 1, 64)
+        theirs = mx.fast.rope(placed, dims, **args).reshape(rows, 6, 4, 64).transpose(0, 2, 1, 3)
+        assert mx.array_equal(cpu_math.rope(x, dims, **args), theirs)
+
+
 def test_ropes_in_one_forward_share_a_table_per_position_and_length(tmp_path):
     mx.random.seed(8)
     x, y = mx.random.normal((1, 3, 5, 64)), mx.random.normal((1, 2, 5, 64))

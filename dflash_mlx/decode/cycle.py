@@ -324,23 +324,27 @@ class TreeRow:
         by its policy (which reads the tree only if it fits each to its drafter's
         confidence); those drafting with one drafter in one drafter forward
         (`proposers.trees`). A tree of depth 0 is the root alone, not drafted."""
-        rows, drafting = [], {}
+        starts, drafting = [], {}
         for i, (request, plan, _) in enumerate(launching):
-            reply, root = request.reply, request.root
-            state = reply.state
-            limit = state.target.forward_limit(state.cache, reply.remaining) - 1
-            depth = min(reply.plan.depth, limit, plan.drafts)
-            start = state.cache[0].offset
-            tree = Drafted.alone(root.array)
-            rows.append(cls(reply, root, request.policy, plan, tree, start))
+            state = request.reply.state
+            limit = state.target.forward_limit(state.cache, request.reply.remaining) - 1
+            depth = min(request.reply.plan.depth, limit, plan.drafts)
+            starts.append(state.cache[0].offset)
             if depth > 0:
                 scores = state.verifier.tree_scores if state.verifier.coupled else None
                 drafting[i] = proposers.TreeRequest(
-                    state.proposer, root.item(), depth, plan.drafts, scores
+                    state.proposer, request.root.item(), depth, plan.drafts, scores
                 )
-        for i, tree in zip(drafting, proposers.trees(list(drafting.values()))):
-            rows[i].tree = tree.first(rows[i].policy.fit(tree.probabilities()) + 1)
-            rows[i].drafted = True
+        drafted = dict(zip(drafting, proposers.trees(list(drafting.values()))))
+        rows = []
+        for i, (request, plan, _) in enumerate(launching):
+            tree = drafted.get(i)
+            if tree is None:
+                tree = Drafted.alone(request.root.array)
+            else:
+                tree = tree.first(request.policy.fit(tree.probabilities()) + 1)
+            reply, root, policy = request.reply, request.root, request.policy
+            rows.append(cls(reply, root, policy, plan, tree, starts[i], i in drafted))
         return rows
 
     @property

@@ -199,8 +199,9 @@ def _tree_class(cls: type) -> type:
     """The class a KV cache or a RoPE module has during a tree forward: a subclass of its own.
 
     The cache's `make_mask` gives its row's tree mask. The RoPE puts each query of a
-    (rows, heads, n, dim) input at its own position: mx.fast.rope takes one offset per
-    batch entry, so the node axis goes into the batch axis and back.
+    (rows, heads, n, dim) input at its own position: the CPU's compiled RoPE takes one
+    offset per query (`cpu_math.COMPILED_CLASSES`); mx.fast.rope takes one offset per
+    batch entry, so for it the node axis goes into the batch axis and back.
     """
     if cls not in _TREE_CLASSES:
         if issubclass(cls, KVCache):
@@ -233,6 +234,8 @@ def _tree_class(cls: type) -> type:
                 if x.ndim != 4 or rows * n != hooks.positions.size:
                     raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
                 hooks.roped.add(id(self))
+                if getattr(cls, "places_queries", False):  # the CPU's: no transposes
+                    return cls.__call__(self, x, hooks.positions, *args, **kwargs)
                 if rows == 1:
                     out = cls.__call__(self, x.swapaxes(0, -2), hooks.positions, *args, **kwargs)
                     return out.swapaxes(0, -2)

@@ -481,10 +481,14 @@ def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
     first kept ones at p - `cache.dropped`), also in a CacheGroup.
     """
     kept = len(nodes)
+    moved = nodes != list(range(kept))  # else the path is in front already
+    indices: dict[int, mx.array] = {}  # by first position: one for the layers alike
     for c in cache_parts(caches):
         first = start - getattr(c, "dropped", 0)  # the tree's first node in the arrays
-        if nodes != list(range(kept)):  # the path is not already in front
-            index = mx.array(nodes) + first
+        if moved:
+            if first not in indices:
+                indices[first] = mx.array([node + first for node in nodes])
+            index = indices[first]
             for _, a in tree_flatten((c.keys, c.values)):
                 a[..., first : first + kept, :] = mx.take(a, index, axis=2)
         c.trim(c.offset - start - kept)

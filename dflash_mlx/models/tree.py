@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -176,90 +177,222 @@ def search(
     exist than the budget (a tiny vocabulary, a draft vocabulary's -inf columns), prefixes of
     probability 0 fill the rest, after all others: verified like any node, never accepted
     unless they are the target's own choice.
+
+    Its graph is built each cycle, so only the beams' choices are made depth by depth; the
+    prefixes' tokens, parents and the chain's meetings are found for all depths at once.
     """
     known, known_logprobs = chain or ([], [])
     deepest = max(0 if candidates is None else candidates.shape[0], len(known))
-    pool: list[list[mx.array]] = [[], [], [], [], []]  # score, token, parent, depth, on chain
-    # the beam of the depth before: the root's first
+    sizes = () if candidates is None else _beam_sizes(*candidates.shape, budget)
+    nodes = min(budget, max(sum(sizes), len(known)))
+    if nodes == 0:
+        return Drafted.alone(root)
+    if sizes:
+        score, token, parent = _beams(candidates, edges, sizes)
+    else:
+        score, token, parent = mx.zeros((0,)), mx.zeros((0,), mx.int32), mx.zeros((0,), mx.int32)
+    met, chain_scores = _chain(score, token, parent, sizes, chain)
+    if known:
+        score = mx.concatenate([score, *chain_scores])
+        token = mx.concatenate([token, mx.array(known, dtype=mx.int32)])
+        met = mx.concatenate([met, mx.zeros((len(known),), dtype=mx.bool_)])
+    tokens, parents, depths, logprobs, chain_nodes = _select(
+        root, score, token, parent, met, _order(sizes, len(known)), nodes
+    )
+    return Drafted(tokens, parents, depths, logprobs, chain_nodes, deepest)
+
+
+def _beam_sizes(depth: int, width: int, budget: int) -> tuple[int, ...]:
+    """The prefixes each depth's beam keeps: up to `budget` of the `width` extensions of each
+    of the beam before's (the root's first)."""
+    sizes, beam = [], 1
+    for _ in range(depth):
+        beam = min(budget, beam * width)
+        sizes.append(beam)
+    return tuple(sizes)
+
+
+def _depths(sizes: tuple[int, ...]) -> np.ndarray:
+    """Each of the beams' prefixes' depth, flat over depths (1 for the root's children)."""
+    return np.repeat(np.arange(1, len(sizes) + 1), sizes)
+
+
+@lru_cache(maxsize=64)
+def _layout(sizes: tuple[int, ...], width: int) -> tuple[mx.array, mx.array]:
+    """For the beams' prefixes, flat over depths: the pool index of the beam before's first
+    prefix (-1 at depth 1: the root), and its depth's first candidate index in the flattened
+    candidates (its row times `width`)."""
+    depth = _depths(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+    before = np.where(depth > 1, starts[np.maximum(depth - 2, 0)], -1)
+    return mx.array(before, mx.int32), mx.array((depth - 1) * width, mx.int32)
+
+
+def _beams(
+    candidates: mx.array, edges: mx.array, sizes: tuple[int, ...]
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Each depth's beam, flat over depths: the prefixes' scores, tokens and parents (pool
+    indices, -1 for the root)."""
+    width = candidates.shape[1]
+    spreads, tiles, ends = _extensions(sizes, width)
+    independent = edges.shape[1] == 1
+    if independent:  # each depth's log q, once per prefix of the beam before
+        tiled = mx.take(edges.reshape(-1).astype(mx.float32), tiles)
+        rows = mx.split(tiled, ends) if ends else [tiled]
+    else:
+        rows = mx.split(edges, len(sizes)) if len(sizes) > 1 else [edges]
     beam_score = mx.zeros((1,), dtype=mx.float32)
     beam_slot = mx.zeros((1,), dtype=mx.int32)
-    beam_index = mx.full((1,), -1, dtype=mx.int32)  # entries in the pool (the root: none)
-    beam_chain = mx.array([True])  # whether it holds the chain's prefix
-    chain_score, chain_scores, size = mx.array(0.0), [], 0
-    for t in range(deepest):
-        on_chain = None
-        if candidates is not None and t < candidates.shape[0]:
-            rows = edges[t, :1] if edges.shape[1] == 1 else edges[t][beam_slot]
-            width = rows.shape[1]
-            flat = (beam_score[:, None] + rows.astype(mx.float32)).reshape(-1)
-            kept = min(budget, flat.size)
-            top = mx.argpartition(-flat, kept - 1)[:kept] if kept < flat.size else mx.arange(kept)
-            parent = top // width
-            beam_slot = (top % width).astype(mx.int32)
-            beam_score = flat[top]
-            token = candidates[t][beam_slot].astype(mx.int32)
-            on_chain = beam_chain[parent] & (token == (known[t] if t < len(known) else -1))
-            for part, value in zip(
-                pool, (beam_score, token, beam_index[parent], mx.full((kept,), t + 1), on_chain)
-            ):
-                part.append(value)
-            beam_index = (size + mx.arange(kept)).astype(mx.int32)
-            beam_chain, size = on_chain, size + kept
-        if t < len(known):
-            step = chain_score + known_logprobs[t]
-            if on_chain is not None:
-                step = mx.maximum(step, mx.where(on_chain, beam_score, -mx.inf).max())
-            chain_score = step
-            chain_scores.append(step)
-    return _select(root, pool, size, known, chain_scores, budget, deepest)
+    scores, tops = [], []
+    for t, kept in enumerate(sizes):
+        row = rows[t] if independent else rows[t][0][beam_slot].reshape(-1).astype(mx.float32)
+        flat = mx.take_along_axis(beam_score, spreads[t], axis=0) + row
+        if kept < flat.size:
+            top = mx.argpartition(-flat, kept - 1)[:kept]
+        else:  # all of them, indexed as argpartition indexes them
+            top = mx.arange(kept, dtype=mx.uint32)
+        beam_score = mx.take_along_axis(flat, top, axis=0)
+        if not independent:
+            beam_slot = top % width
+        scores.append(beam_score)
+        tops.append(top)
+    before, first = _layout(sizes, width)
+    top = mx.concatenate(tops) if len(tops) > 1 else tops[0]
+    token = mx.take(candidates.reshape(-1), first + top % width).astype(mx.int32)
+    parent = before + top // width
+    return mx.concatenate(scores) if len(scores) > 1 else scores[0], token, parent
+
+
+@lru_cache(maxsize=64)
+def _extensions(sizes: tuple[int, ...], width: int) -> tuple[list[mx.array], mx.array, list[int]]:
+    """How each depth extends the beam before (the root's first), flat over its prefixes
+    times the `width` candidates: which prefix each extension extends (`spreads`, per depth),
+    which of the flattened (depth, candidate) log q it adds (`tiles`, all depths), and where
+    each depth's extensions end there but the last (`ends`)."""
+    before = (1, *sizes[:-1])
+    spreads = [mx.array(np.arange(n * width) // width, mx.int32) for n in before]
+    tiles = np.concatenate([t * width + np.arange(n * width) % width for t, n in enumerate(before)])
+    ends = np.cumsum([n * width for n in before])[:-1].tolist()
+    return spreads, mx.array(tiles, mx.int32), ends
+
+
+def _chain(
+    score: mx.array,
+    token: mx.array,
+    parent: mx.array,
+    sizes: tuple[int, ...],
+    chain: Chain | None,
+) -> tuple[mx.array, list[mx.array]]:
+    """Which beams' prefixes the chain met (its tokens all the way from the root), and the
+    chain's scores: each of its tokens' log q after the score before, or the score of the
+    prefix it met there if better."""
+    known, known_logprobs = chain or ([], [])
+    met_depths = min(len(known), len(sizes))
+    if not met_depths:
+        return mx.zeros(score.shape, dtype=mx.bool_), _chain_scores(known_logprobs, [])
+    depth, own, in_depth = _chain_layout(sizes, met_depths)
+    at_depth = np.array([*known[:met_depths], *[-1] * (len(sizes) - met_depths)])[depth]
+    met = token == mx.array(at_depth, mx.int32)
+    up = parent + own  # a prefix of depth 1 stands for the root: its own parent
+    for _ in range((met_depths - 1).bit_length()):  # each pass doubles the ancestors checked
+        met = met & mx.take_along_axis(met, up, axis=0)
+        up = mx.take_along_axis(up, up, axis=0)
+    best = mx.where(in_depth & met, score, -mx.inf).max(axis=1)
+    return met, _chain_scores(known_logprobs, mx.split(best, met_depths))
+
+
+@lru_cache(maxsize=64)
+def _chain_layout(sizes: tuple[int, ...], met_depths: int) -> tuple[np.ndarray, mx.array, mx.array]:
+    """For a chain meeting the beams of `sizes` in their first `met_depths` depths: each
+    prefix's depth - 1 (on the host), each one's index + 1 at depth 1 (0 deeper: added to
+    its parent, -1 there, it makes it its own), and which prefixes each of those depths
+    holds."""
+    depth = _depths(sizes) - 1
+    own = np.where(depth == 0, np.arange(depth.size) + 1, 0)
+    in_depth = depth[None] == np.arange(met_depths)[:, None]
+    return depth, mx.array(own, mx.int32), mx.array(in_depth)
+
+
+def _chain_scores(logprobs: list[float], met: list[mx.array]) -> list[mx.array]:
+    """The chain's scores: summed log q along it, or the score of the prefix met, if better."""
+    if not logprobs:
+        return []
+    score, scores = mx.zeros((1,), dtype=mx.float32), []
+    for t, step in enumerate(mx.split(mx.array(logprobs, mx.float32), len(logprobs))):
+        score = score + step
+        if t < len(met):
+            score = mx.maximum(score, met[t])
+        scores.append(score)
+    return scores
+
+
+@dataclass(frozen=True)
+class _Order:
+    """What orders a pool of the beams' prefixes and a chain's nodes, known from the shapes:
+    each node's depth; the parent a node the chain met hands its children to (the chain's
+    node a depth up); which node comes first among equal scores (`earlier[i, j]`: j before i,
+    as the shallower, then the one found first); the chain's nodes' parents (the one before,
+    the first's the root: -1); and where the chain's nodes start."""
+
+    depth: mx.array
+    handed: mx.array
+    earlier: mx.array
+    chain_parents: mx.array
+    size: int
+
+
+@lru_cache(maxsize=64)
+def _order(sizes: tuple[int, ...], chain: int) -> _Order:
+    """The `_Order` of the beams of `sizes` and a chain of `chain` nodes."""
+    size = sum(sizes)
+    depth = np.concatenate([_depths(sizes), np.arange(1, chain + 1)])
+    index = np.arange(depth.size)
+    earlier = (depth[None] < depth[:, None]) | (depth[None] == depth[:, None]) & (
+        index[None] < index[:, None]
+    )
+    on_chain = np.arange(chain)
+    return _Order(
+        mx.array(depth, mx.int32),
+        mx.array(size + depth - 2, mx.int32),
+        mx.array(earlier),
+        mx.array(np.where(on_chain == 0, -1, size + on_chain - 1), mx.int32),
+        size,
+    )
 
 
 def _select(
     root: mx.array,
-    pool: list[list[mx.array]],
-    size: int,
-    chain: list[int],
-    chain_scores: list[mx.array],
-    budget: int,
-    deepest: int,
-) -> Drafted:
-    """The best `budget` of the beams' `size` prefixes and the chain's, best first: a beam's
-    prefix the chain met gives way to the chain's node (its children move under it)."""
-    n_chain = len(chain)
-    nodes = min(budget, max(size, n_chain))
-    if nodes == 0:
-        return Drafted.alone(root)
-    if n_chain:
-        at_chain = mx.arange(n_chain, dtype=mx.int32)
-        chain_parent = mx.where(at_chain == 0, -1, size + at_chain - 1)
-        chained = [mx.stack(chain_scores), mx.array(chain, dtype=mx.int32), chain_parent]
-        chained += [at_chain + 1, mx.zeros((n_chain,), dtype=mx.bool_)]
-        pool = [[*part, extra] for part, extra in zip(pool, chained)]
-    score, token, parent, depth, met = (mx.concatenate(part) for part in pool)
-    moved = (parent >= 0) & met[mx.maximum(parent, 0)]
-    parent = mx.where(moved, size + depth - 2, parent)
-    # order: alive (not met), then by score, then shallower, then earlier: a parent comes first
-    index = mx.arange(score.size)
+    score: mx.array,
+    token: mx.array,
+    parent: mx.array,
+    met: mx.array,
+    order: _Order,
+    nodes: int,
+) -> list[mx.array]:
+    """The best `nodes` of the beams' prefixes and the chain's nodes after them (`score`,
+    `token`; the beams' `parent`s; `met`: the prefixes the chain met), best first, as the
+    tree's arrays: a prefix the chain met gives way to the chain's node (its children move
+    under it)."""
+    if order.chain_parents.size:
+        parent = mx.concatenate([parent, order.chain_parents])
+    moved = (parent >= 0) & mx.take_along_axis(met, mx.maximum(parent, 0), axis=0)
+    parent = mx.where(moved, order.handed, parent)
+    # alive (not met) first, then by score, then shallower, then earlier: a parent comes first
     alive = ~met
-    same = alive[None, :] == alive[:, None]
-    better = (score[None, :] > score[:, None]) | (score[None, :] == score[:, None]) & (
-        (depth[None, :] < depth[:, None])
-        | (depth[None, :] == depth[:, None]) & (index[None, :] < index[:, None])
-    )
-    before = (alive[None, :] & ~alive[:, None]) | same & better
+    better = (score[None, :] > score[:, None]) | (score[None, :] == score[:, None]) & order.earlier
+    before = (alive[None, :] & met[:, None]) | (alive[None, :] == alive[:, None]) & better
     rank = before.astype(mx.int32).sum(axis=1)
-    order = mx.argsort(rank)[:nodes]
-    parents = parent[order]
-    parents = mx.where(parents < 0, 0, rank[mx.maximum(parents, 0)] + 1)
-    chain_rank = rank[size:]
-    return Drafted(
-        mx.concatenate([root.astype(mx.int32), token[order]]),
+    kept = mx.argsort(rank)[:nodes]
+    parents = mx.take_along_axis(parent, kept, axis=0)
+    parents = mx.where(parents < 0, 0, mx.take_along_axis(rank, mx.maximum(parents, 0), axis=0) + 1)
+    chain_rank = rank[order.size :]
+    return [
+        mx.concatenate([root.astype(mx.int32), mx.take_along_axis(token, kept, axis=0)]),
         mx.concatenate([mx.array([-1], dtype=mx.int32), parents.astype(mx.int32)]),
-        mx.concatenate([mx.zeros((1,), dtype=mx.int32), depth[order].astype(mx.int32)]),
-        mx.concatenate([mx.zeros((1,), dtype=mx.float32), score[order]]),
+        mx.concatenate([mx.zeros((1,), mx.int32), mx.take_along_axis(order.depth, kept, axis=0)]),
+        mx.concatenate([mx.zeros((1,), mx.float32), mx.take_along_axis(score, kept, axis=0)]),
         mx.where(chain_rank < nodes, chain_rank + 1, -1).astype(mx.int32),
-        deepest,
-    )
+    ]
 
 
 def ranked_tree(

@@ -188,19 +188,24 @@ def _rope_table(
     x: mx.array, dims: int, traditional: bool, base, scale, offset: int | mx.array, freqs
 ) -> tuple[mx.array, mx.array]:
     """(cos, sin), (rows, 1, T, dims / 2): what mx.fast.rope rotates the 4-d `x` by,
-    shared within `shared_rope_tables`. The memo holds each key's offset and freqs, so
-    no id in its keys can be reused while it lives."""
+    shared within `shared_rope_tables`. An offset of one entry per row and position (a
+    tree's nodes) is taken as one row per position and placed back. The memo holds each
+    key's offset and freqs, so no id in its keys can be reused while it lives."""
     position = offset if isinstance(offset, int) else id(offset)
     rows = offset.size if isinstance(offset, mx.array) and offset.size > 1 else 1
-    key = (position, id(freqs), x.shape[-2], rows, dims, traditional, base, scale, x.dtype)
+    length = x.shape[-2]
+    placed = length > 1 and rows == x.shape[0] * length
+    key = (position, id(freqs), length, rows, dims, traditional, base, scale, x.dtype)
     memo = getattr(_tables, "memo", None)
     if memo is not None and key in memo:
         return memo[key][2:]
     if not isinstance(offset, mx.array):  # one trace serves every position
         offset = mx.array(offset, dtype=mx.int32)
     unit = mx.array(_unit_pairs(dims, traditional)).astype(x.dtype)
-    unit = mx.broadcast_to(unit, (rows, 1, x.shape[-2], dims))
+    unit = mx.broadcast_to(unit, (rows, 1, 1 if placed else length, dims))
     table = _rope(unit, offset, dims, traditional, base, scale, freqs)
+    if placed:
+        table = table.reshape(x.shape[0], 1, length, dims)
     half = dims // 2
     if traditional:
         cos, sin = table[..., 0::2], table[..., 1::2]
@@ -223,7 +228,8 @@ def rope(
 ) -> mx.array:
     """`mx.fast.rope` with its bits, from a table of cosines and sines compiled once per
     shape (an int offset becomes an array, so one trace serves every position) and shared
-    by a forward's RoPEs (`shared_rope_tables`)."""
+    by a forward's RoPEs (`shared_rope_tables`). `offset` may also hold one position per
+    row and query (a tree forward's nodes), which mx.fast.rope cannot take."""
     shape = x.shape
     if x.ndim == 3:
         x = x[:, None]
@@ -257,9 +263,15 @@ def _compiled_freqs_rope(self: nn.Module, x: mx.array, offset: int | mx.array = 
 
 
 # The class a norm or RoPE module of these classes takes, per instance, while a forward's
-# graph is built on the CPU: its own call, with `rms_norm` / `rope`.
+# graph is built on the CPU: its own call, with `rms_norm` / `rope`. The RoPEs place each
+# query at its own position when given one offset per query (`places_queries`: a tree
+# forward's hook then passes its nodes' positions as they are).
 COMPILED_CLASSES = {
-    cls: type(f"Compiled{cls.__name__}", (cls,), {"__call__": call})
+    cls: type(
+        f"Compiled{cls.__name__}",
+        (cls,),
+        {"__call__": call, "places_queries": call is not _compiled_rms_norm},
+    )
     for cls, call in (
         (nn.RMSNorm, _compiled_rms_norm),
         (nn.RoPE, _compiled_rope),
