@@ -49,7 +49,7 @@ from dflash_mlx.decode.plan import FixedPlan
 from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models import mtp
 from dflash_mlx.models.draft import DraftChain
-from dflash_mlx.models.mtp import MTPDraft, MTPRow, mtp_args
+from dflash_mlx.models.mtp import MTPConfig, MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.serve import Worker
 
@@ -93,7 +93,7 @@ def mtp_tensors(model_type: str, config: dict, seed: int, model) -> dict[str, mx
     text = config.get("text_config") or config
     args = mtp_args(model_type, text)
     mx.random.seed(seed)
-    draft = MTPDraft(_config(model_type, args), args)
+    draft = MTPDraft(MTPConfig.for_target(model_type, args), args)
     for name, w in tree_flatten(draft.parameters()):
         if w.ndim == 1:  # norms away from 1, so that they matter
             w = mx.random.uniform(0.5, 1.5, w.shape)
@@ -163,19 +163,6 @@ def train(draft, model, steps: int = 60) -> None:
         optimizer.update(draft, grads)
         mx.eval(draft.parameters(), optimizer.state)
     draft.unfreeze()
-
-
-def _config(model_type, args):
-    from dflash_mlx.models.mtp import MTPConfig
-
-    return MTPConfig(
-        model_type=model_type,
-        hidden_size=args.hidden_size,
-        vocab_size=args.vocab_size,
-        num_target_layers=args.num_hidden_layers,
-        num_hidden_layers=1,
-        rms_norm_eps=args.rms_norm_eps,
-    )
 
 
 CENTRED = (

@@ -148,6 +148,18 @@ class MTPConfig:
     mask_token_id: int = 0
     draft_vocab: list[int] | None = None
 
+    @classmethod
+    def for_target(cls, model_type: str, args: Any, **fields: Any) -> MTPConfig:
+        """The config of MTP layers for a target of `args` (its family's ModelArgs)."""
+        return cls(
+            model_type=model_type,
+            hidden_size=args.hidden_size,
+            vocab_size=args.vocab_size,
+            num_target_layers=args.num_hidden_layers,
+            rms_norm_eps=args.rms_norm_eps,
+            **{"num_hidden_layers": 1, **fields},
+        )
+
     @property
     def target_layer_ids(self) -> list[int]:
         return [self.num_target_layers - 1]
@@ -606,13 +618,10 @@ def load_mtp(
     if final_norm is None:
         raise ValueError(f"the checkpoint at {path} has no final norm weight (model.norm.weight)")
     args = mtp_args(model_type, config.get("text_config") or config)
-    mtp = MTPConfig(
-        model_type=model_type,
-        hidden_size=args.hidden_size,
-        vocab_size=args.vocab_size,
-        num_target_layers=args.num_hidden_layers,
+    mtp = MTPConfig.for_target(
+        model_type,
+        args,
         num_hidden_layers=num_layers,
-        rms_norm_eps=args.rms_norm_eps,
         block_size=block_size,
         quantization=config.get("quantization") if any(".scales" in k for k in tensors) else None,
     )

@@ -62,15 +62,7 @@ def make_mtp(
             "whose layers follow DeepSeek-V3's nextn names"
         )
     args = mtp_args(model_type, text)
-    mtp = MTPConfig(
-        model_type=model_type,
-        hidden_size=args.hidden_size,
-        vocab_size=args.vocab_size,
-        num_target_layers=args.num_hidden_layers,
-        num_hidden_layers=1,
-        rms_norm_eps=args.rms_norm_eps,
-        block_size=block_size,
-    )
+    mtp = MTPConfig.for_target(model_type, args, block_size=block_size)
     mx.random.seed(seed)
     draft = MTPDraft(mtp, args)
     target = TargetAdapter(model)
