@@ -29,8 +29,8 @@ measured as the loop runs:
   The load moves every size's cost, and a size is timed only when it is played:
   a running average fades with the cycles since it was last updated (`AGING`),
   so a probe's time counts mostly in full; a time above `SPIKE` times the
-  average counts as that much; and no size is costed above a larger measured
-  one. Else one busy moment during plain steps leaves them costed dear while
+  average counts as that much; and a plain step is not costed above a drafted
+  cycle. Else one busy moment during plain steps leaves them costed dear while
   drafting, measured later, looks cheap, and the policy drafts at a loss.
 
 When sampling, which random draws a cycle consumes depends on its size, so a
@@ -103,9 +103,9 @@ def shared_cost(seconds: dict[int, float], n: int, rows: int) -> float | None:
     extended along the slope between the two largest drafted sizes measured, or, before
     there are two, `SHARED_POSITION_SHARE` of the smallest's cost per position."""
     cost = interpolated_cost(seconds, n)
-    dearer = [c for m, c in seconds.items() if m > n]
-    if dearer:  # fewer positions never cost more: an average from a busier moment is capped
-        cost = min(cost, *dearer)
+    drafted = [c for m, c in seconds.items() if m > n]
+    if n == 1 and drafted:  # a plain step drafts nothing: it never costs more than a cycle that
+        cost = min(cost, *drafted)  # did, whatever busier moment its average comes from
     if rows == 1 or not seconds or n <= max(seconds):
         return cost
     largest = max(seconds)
