@@ -27,11 +27,12 @@ measured as the loop runs:
   steps say nothing about the drafter, so only probes notice that the text
   turned to something it drafts well.
   The load moves every size's cost, and a size is timed only when it is played:
-  a running average fades with the cycles since it was last updated (`AGING`),
-  so a probe's time counts mostly in full; a time above `SPIKE` times the
-  average counts as that much; and a plain step is not costed above a drafted
-  cycle. Else one busy moment during plain steps leaves them costed dear while
-  drafting, measured later, looks cheap, and the policy drafts at a loss.
+  a time above `SPIKE` times the average counts as that much; a plain step's
+  average fades with the cycles since plain steps were last timed (`AGING`), so
+  a probe down to them counts mostly in full; and a plain step is not costed
+  above a drafted cycle. Else one busy moment during plain steps leaves them
+  costed dear while drafting, measured later, looks cheap, and the policy drafts
+  at a loss.
 
 When sampling, which random draws a cycle consumes depends on its size, so a
 seeded run is reproducible only if the sizes do not depend on timing. There the
@@ -138,8 +139,9 @@ def for_rows(policy: P, rows: int) -> P:
 # of contention (another process, a busy core) is not the size's cost, and a plain step costed
 # dear after one keeps the policy drafting at a loss until plain steps are measured again.
 SPIKE = 2.0
-# What a running average keeps of its weight per cycle it was not updated: the load moves every
-# size's cost, so a size measured again after many cycles (a probe) takes mostly its new time.
+# What a plain step's running average keeps of its weight per cycle between plain steps: the
+# load moves every size's cost, so plain steps timed again after many cycles take mostly their
+# new time. (Drafted sizes age by being played: one costed too cheap is played and re-timed.)
 AGING = 0.9
 
 
@@ -148,21 +150,27 @@ def running_average(
     n: int,
     value: float,
     smoothing: float,
-    updated: dict[int, int] | None = None,
-    cycle: int = 0,
+    idle: int = 0,
 ) -> None:
-    """Fold one cycle's wall time into size n's running average. With `updated` (the cycle
-    each size was last timed; `cycle`: this one's) the average fades by `AGING` per cycle
-    between; a time is capped at `SPIKE` times the average."""
+    """Fold one cycle's wall time into size n's running average, `idle` cycles after it was
+    last timed (it fades by `AGING` per idle cycle); a time is capped at `SPIKE` times the
+    average."""
     old = seconds.get(n)
-    idle = 0 if updated is None else cycle - updated.get(n, cycle - 1) - 1
-    if updated is not None:
-        updated[n] = cycle
     if old is None:
         seconds[n] = value
         return
     keep = (1 - smoothing) * AGING**idle
     seconds[n] = keep * old + (1 - keep) * min(value, SPIKE * old)
+
+
+def plain_idle(policy: AdaptiveBlock | AdaptiveStrategy, plain: bool) -> int:
+    """Cycles since `policy` last timed a plain step, for one just timed (`plain`; 0 for any
+    other, and in shared cycles, whose costs move with the batch's width as well)."""
+    if not plain or policy.rows > 1:
+        return 0
+    idle = policy.cycles - policy.plain_timed - 1
+    policy.plain_timed = policy.cycles
+    return max(idle, 0)
 
 
 @dataclass
@@ -181,7 +189,7 @@ class AdaptiveBlock:
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
     seconds: dict[int, float] = field(default_factory=dict)
-    updated: dict[int, int] = field(default_factory=dict)  # the cycle each size was last timed
+    plain_timed: int = 0  # the cycle a plain step was last timed
     cycles: int = 0
     probes: int = 0
     probe_gap: int = 0
@@ -260,10 +268,8 @@ class AdaptiveBlock:
         if cycle.seconds is not None:
             self.cycles += 1
             if self.timed:
-                updated = self.updated if self.rows == 1 else None
-                running_average(
-                    self.seconds, block_size, cycle.seconds, self.smoothing, updated, self.cycles
-                )
+                idle = plain_idle(self, block_size == 1)
+                running_average(self.seconds, block_size, cycle.seconds, self.smoothing, idle)
         if block_size > 1:  # plain steps say nothing about the drafter: keep its counts
             self.tried = [t * self.decay for t in self.tried]
             self.accepted = [a * self.decay for a in self.accepted]
@@ -420,7 +426,7 @@ class AdaptiveStrategy:
     tokens: dict[Plan, float] = field(default_factory=dict)  # decayed sums by arm
     weight: dict[Plan, float] = field(default_factory=dict)
     seconds: dict[bool, dict[int, float]] = field(default_factory=dict)  # by kind, positions
-    updated: dict[bool, dict[int, int]] = field(default_factory=dict)  # when each was timed
+    plain_timed: int = 0  # the cycle a plain step was last timed
     cycles: int = 0
     probes: int = 0
     probe_gap: int = 0
@@ -431,7 +437,7 @@ class AdaptiveStrategy:
 
     def __post_init__(self) -> None:
         self.probe_gap = self.next_probe = self.min_probe_gap
-        self.seconds, self.updated = {False: {}, True: {}}, {False: {}, True: {}}
+        self.seconds = {False: {}, True: {}}
         if self.fixed_costs is not None:
             for kind, costs in zip((False, True), self.fixed_costs):
                 self.seconds[kind] = {n: interpolated_cost(costs, n) for n in block_ladder(64)}
@@ -555,9 +561,9 @@ class AdaptiveStrategy:
         if tree and not cycle.proposed:
             return  # the root alone (a reply's last token): nothing learned
         if self.timed and cycle.seconds is not None:
-            seconds, updated = self.seconds[tree], self.updated[tree] if self.rows == 1 else None
+            idle = plain_idle(self, not tree and not cycle.proposed)
             running_average(
-                seconds, cycle.proposed + 1, cycle.seconds, self.smoothing, updated, self.cycles
+                self.seconds[tree], cycle.proposed + 1, cycle.seconds, self.smoothing, idle
             )
         for plan in self.arms():
             self.tokens[plan] = self.decay * self.tokens.get(plan, 0.0)
