@@ -681,3 +681,85 @@ def test_shared_cycles_decode_plainly_when_no_draft_is_accepted():
     policy = AdaptiveStrategy(16, rows=4)
     _, plans = simulate_strategy(policy, NEVER, (0.0, 1), cpu_chain_cost, cpu_tree_cost)
     assert sum(p == Plan(0) for p in plans[-300:]) > 0.9 * 300
+
+
+def mtp_chain_cost(n: int) -> float:  # an MTP layer: each chained draft a step of it and the head
+    return 1.0 + 0.25 * (n - 1)
+
+
+def mtp_tree_cost(positions: int) -> float:  # its trees: every depth a step, whatever the budget
+    return 1.6 + 0.03 * positions
+
+
+def test_a_drafter_never_accepted_ends_in_plain_steps_within_a_few_cycles():
+    """A drafter whose drafts are dear and never accepted: after two rounds of exploring,
+    plain steps, their probes the cheapest drafting arm of each kind, so that the policy
+    costs little more than plain decoding even over a short reply."""
+    policy = AdaptiveStrategy(4)
+    rate, plans = simulate_strategy(policy, NEVER, (0.0, 1), mtp_chain_cost, mtp_tree_cost, 64)
+    assert all(p == Plan(0) for p in plans[4:8])
+    assert sum(p != Plan(0) for p in plans) <= 8
+    assert {p for p in plans[4:] if p != Plan(0)} <= {Plan(1), Plan(2, tree=True)}
+    assert rate >= 0.9
+    rate, plans = simulate_strategy(policy, NEVER, (0.0, 1), mtp_chain_cost, mtp_tree_cost, 400)
+    assert rate >= 0.96
+
+
+def test_a_plain_step_timed_in_a_busy_moment_does_not_keep_the_policy_drafting():
+    """Plain steps measured while another process held the cores (ten times their cost) and
+    a drafter that barely pays for one draft: the policy is back on plain steps within a
+    couple of probes, not after the spike's average has decayed over dozens of cycles."""
+    policy = AdaptiveStrategy(4, tree_budget=0)
+    weak = [0.05, 0.0, 0.0]
+    simulate_strategy(policy, weak, (0.0, 1), mtp_chain_cost, mtp_tree_cost, 100)
+    busy = iter([10.0] * 3)
+    spiked = lambda n: mtp_chain_cost(n) * (next(busy, 1.0) if n == 1 else 1.0)  # noqa: E731
+    _, plans = simulate_strategy(policy, weak, (0.0, 1), spiked, mtp_tree_cost, 100, seed=1)
+    assert sum(p == Plan(0) for p in plans[-60:]) > 0.9 * 60
+
+
+def test_a_probe_that_pays_after_plain_steps_measures_its_whole_kind():
+    """Plain steps probe the cheapest arm of each kind in turn; one that accepts a draft is
+    followed by the kind's largest arm, which measures every arm of the kind at once."""
+    policy = AdaptiveStrategy(16)
+    simulate_strategy(policy, NEVER, (0.0, 1), cpu_chain_cost, cpu_tree_cost, 100)
+    probes = []
+    while len(probes) < 2:
+        plan = policy.plan()
+        if plan.drafts:
+            probes.append(plan)
+            accepted = int(plan.tree)  # the chain's probe accepts nothing, the tree's a draft
+            if plan.tree:
+                cost, path = cpu_tree_cost(plan.drafts + 1), [0, 1]
+                policy.record(Cycle(plan.drafts, accepted, cost, None, path))
+            else:
+                policy.record(Cycle(plan.drafts, accepted, cpu_chain_cost(plan.drafts + 1)))
+        else:
+            policy.record(Cycle(0, 0, cpu_chain_cost(1)))
+    assert probes == [Plan(1), Plan(2, tree=True)]
+    assert policy.plan() == Plan(16, tree=True)
+
+
+class NeverAccepted(OracleDraft):
+    """Drafts the token after the target's own and ranks the target's own last."""
+
+    def block_logits(self, block, embed, lm_head, cache):
+        truth = super().block_logits(block, embed, lm_head, cache).argmax(axis=-1)
+        eye = mx.eye(self.config.vocab_size)
+        return 100.0 * eye[(truth + 1) % self.config.vocab_size] - 100.0 * eye[truth]
+
+
+def test_the_default_stops_drafting_a_drafter_never_accepted_and_says_why(loaded):
+    model, tokenizer, draft = loaded("llama-untied-mha")
+    prompt = np.random.default_rng(26).integers(4, 300, size=12).tolist()
+    expected = reference_greedy(model, prompt, 64, set(tokenizer.eos_token_ids))
+    never = NeverAccepted(draft, prompt + reference_greedy(model, prompt, 80, set()))
+    tokens, responses = run(model, never, tokenizer, prompt, max_tokens=64, prompt_lookup=False)
+    assert tokens == expected
+    assert all(r.accepted == 0 for r in responses)
+    drafting = responses[-1].drafting
+    assert drafting.chains + drafting.trees <= 8 and drafting.plain >= len(responses) - 9
+    assert drafting.off_since == 4  # from the fifth cycle on, probes aside
+    assert drafting.as_dict()["drafting_off_reason"] == (
+        "drafting did not pay here (measured cycle costs and acceptance)"
+    )

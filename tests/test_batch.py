@@ -264,3 +264,41 @@ def test_the_rows_one_policy_plans_share_one_plan_per_cycle(loaded, launched):
     shared_cycles = [rows for rows, _, _ in launched if rows > 1]
     # the first computes the three replies' first tokens (plain rows), the others are planned
     assert len(plans) == len(shared_cycles) - 1 > 2
+
+
+def test_a_target_whose_forward_cannot_share_is_not_asked_every_cycle(tmp_path, monkeypatch):
+    """DeepSeek-V3's MLA applies the attention mask itself, which a shared forward's per-row
+    masks are not: its replies take their cycles in turns, each mlx-lm's, and after a failed
+    shared launch the batch tries again only after a doubling number of cycles."""
+    from helpers import build_tokenizer
+    from mlx_lm.models import deepseek_v3
+    from test_families import DEEPSEEK_V3
+    from transformers import AutoTokenizer
+
+    from dflash_mlx.decode import cycle
+
+    mx.random.seed(0)
+    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(DEEPSEEK_V3))
+    mx.eval(model.parameters())
+    build_tokenizer(tmp_path)
+    tokenizer = TokenizerWrapper(AutoTokenizer.from_pretrained(str(tmp_path)))
+    tokenizer.eos_token_ids = []
+    shared_tries = []
+    launch = cycle.launch
+
+    def counted(rows):
+        shared_tries.extend([len(rows)] if len(rows) > 1 else [])
+        return launch(rows)
+
+    monkeypatch.setattr(cycle, "launch", counted)
+    batch = make_batch(model, None)
+    replies = prompts(2)
+    generators = {
+        i: stream_generate(model, None, tokenizer, p, max_tokens=MAX_TOKENS, batch=batch)
+        for i, p in enumerate(replies)
+    }
+    tokens = interleave(generators)
+    assert tokens == {
+        i: reference_greedy(model, p, MAX_TOKENS, set()) for i, p in enumerate(replies)
+    }
+    assert 1 <= len(shared_tries) <= 6  # cycles 1, 3, 6, 11, 20, 37 of 40

@@ -26,6 +26,13 @@ measured as the loop runs:
   While plain decoding is best the gap stays short (`plain_probe_gap`): plain
   steps say nothing about the drafter, so only probes notice that the text
   turned to something it drafts well.
+  The load moves every size's cost, and a size is timed only when it is played:
+  a time above `SPIKE` times the average counts as that much; a plain step's
+  average fades with the cycles since plain steps were last timed (`AGING`), so
+  a probe down to them counts mostly in full; and a plain step is not costed
+  above a drafted cycle. Else one busy moment during plain steps leaves them
+  costed dear while drafting, measured later, looks cheap, and the policy drafts
+  at a loss.
 
 When sampling, which random draws a cycle consumes depends on its size, so a
 seeded run is reproducible only if the sizes do not depend on timing. There the
@@ -97,6 +104,9 @@ def shared_cost(seconds: dict[int, float], n: int, rows: int) -> float | None:
     extended along the slope between the two largest drafted sizes measured, or, before
     there are two, `SHARED_POSITION_SHARE` of the smallest's cost per position."""
     cost = interpolated_cost(seconds, n)
+    drafted = [c for m, c in seconds.items() if m > n]
+    if n == 1 and drafted:  # a plain step drafts nothing: it never costs more than a cycle that
+        cost = min(cost, *drafted)  # did, whatever busier moment its average comes from
     if rows == 1 or not seconds or n <= max(seconds):
         return cost
     largest = max(seconds)
@@ -125,9 +135,42 @@ def for_rows(policy: P, rows: int) -> P:
     return copied
 
 
-def running_average(seconds: dict[int, float], n: int, value: float, smoothing: float) -> None:
+# A cycle timed above this many times its size's running average counts as this many: a moment
+# of contention (another process, a busy core) is not the size's cost, and a plain step costed
+# dear after one keeps the policy drafting at a loss until plain steps are measured again.
+SPIKE = 2.0
+# What a plain step's running average keeps of its weight per cycle between plain steps: the
+# load moves every size's cost, so plain steps timed again after many cycles take mostly their
+# new time. (Drafted sizes age by being played: one costed too cheap is played and re-timed.)
+AGING = 0.9
+
+
+def running_average(
+    seconds: dict[int, float],
+    n: int,
+    value: float,
+    smoothing: float,
+    idle: int = 0,
+) -> None:
+    """Fold one cycle's wall time into size n's running average, `idle` cycles after it was
+    last timed (it fades by `AGING` per idle cycle); a time is capped at `SPIKE` times the
+    average."""
     old = seconds.get(n)
-    seconds[n] = value if old is None else (1 - smoothing) * old + smoothing * value
+    if old is None:
+        seconds[n] = value
+        return
+    keep = (1 - smoothing) * AGING**idle
+    seconds[n] = keep * old + (1 - keep) * min(value, SPIKE * old)
+
+
+def plain_idle(policy: AdaptiveBlock | AdaptiveStrategy, plain: bool) -> int:
+    """Cycles since `policy` last timed a plain step, for one just timed (`plain`; 0 for any
+    other, and in shared cycles, whose costs move with the batch's width as well)."""
+    if not plain or policy.rows > 1:
+        return 0
+    idle = policy.cycles - policy.plain_timed - 1
+    policy.plain_timed = policy.cycles
+    return max(idle, 0)
 
 
 @dataclass
@@ -146,6 +189,7 @@ class AdaptiveBlock:
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
     seconds: dict[int, float] = field(default_factory=dict)
+    plain_timed: int = 0  # the cycle a plain step was last timed
     cycles: int = 0
     probes: int = 0
     probe_gap: int = 0
@@ -224,7 +268,8 @@ class AdaptiveBlock:
         if cycle.seconds is not None:
             self.cycles += 1
             if self.timed:
-                running_average(self.seconds, block_size, cycle.seconds, self.smoothing)
+                idle = plain_idle(self, block_size == 1)
+                running_average(self.seconds, block_size, cycle.seconds, self.smoothing, idle)
         if block_size > 1:  # plain steps say nothing about the drafter: keep its counts
             self.tried = [t * self.decay for t in self.tried]
             self.accepted = [a * self.decay for a in self.accepted]
@@ -351,9 +396,14 @@ class AdaptiveStrategy:
     committed. c is the running average wall time of the kind's cycles of as many positions
     (interpolated as `AdaptiveBlock`'s); a tree costs at least the chain of as many positions
     (the same forward, and its top-k and build on the host besides). The first cycles
-    alternate the full chain and the largest tree, `explore` of each; then probes come as
-    `AdaptiveBlock`'s do, every other one the largest arm of the other kind (so its
-    acceptance follows the text), between them the next larger or smaller arm of the best's.
+    alternate the largest tree and the full chain, `explore` of each, or `explore_blind` where
+    those accepted no draft (a drafter the text defeats costs little to give up); then
+    probes come as `AdaptiveBlock`'s do, every other one the largest arm of the other kind
+    (so its acceptance follows the text), between them the next larger or smaller arm of
+    the best's. While a plain step is best, the probes are the cheapest drafting arm of each
+    kind in turn, and one that accepts a draft is followed by its kind's largest arm (which
+    measures all of the kind's arms at once): a drafter that does not pay costs a small share
+    of the plain steps, one that starts to help is drafted with again within a few probes.
 
     Where it settles is measured in benchmarks/README.md ("Chains or trees chosen per
     cycle"). When sampling (`fixed_costs`: chain costs by block size, tree costs
@@ -369,17 +419,21 @@ class AdaptiveStrategy:
     max_probe_gap: int = 64
     plain_probe_gap: int = 16  # the longest gap between probes while a plain step is best
     explore: int = 4  # first cycles: the full chain and the largest tree, this many each
+    explore_blind: int = 2  # of which this many where none of them accepted a draft
     stale: float = 1.0  # the other kind's weight below which its largest arm is played again
     fixed_costs: tuple[dict[int, float], dict[int, float]] | None = None
     rows: int = 1  # the rows of the cycles it plans (several: a batch's shared cycles)
     tokens: dict[Plan, float] = field(default_factory=dict)  # decayed sums by arm
     weight: dict[Plan, float] = field(default_factory=dict)
     seconds: dict[bool, dict[int, float]] = field(default_factory=dict)  # by kind, positions
+    plain_timed: int = 0  # the cycle a plain step was last timed
     cycles: int = 0
     probes: int = 0
     probe_gap: int = 0
     next_probe: int = 0
     last_best: Plan | None = None
+    plain_probe: bool = False  # whether the cycle planned last is a probe from plain steps
+    regrow: bool | None = None  # the kind whose largest arm a probe that paid asks for next
 
     def __post_init__(self) -> None:
         self.probe_gap = self.next_probe = self.min_probe_gap
@@ -434,17 +488,26 @@ class AdaptiveStrategy:
         of each kind; shared cycles (`rows` > 1), where each position costs more, start
         from a plain cycle and grow from the smallest arms."""
         chains, trees = self.arms(False), self.arms(True)
+        self.plain_probe = False
+        if self.regrow is not None:  # a probe from plain steps paid: measure all its kind's arms
+            kind, self.regrow = self.arms(self.regrow), None
+            return kind[-1] if self.rows == 1 else max(kind, key=self.rate)
         if self.rows > 1:
             if not self.seconds[False]:
                 return chains[0]
-        elif self.cycles < 2 * self.explore and trees:
+        elif (
+            self.cycles < 2 * self.explore
+            and trees
+            and (self.cycles < 2 * self.explore_blind or self.accepted_any)
+        ):
             return (trees, chains)[self.cycles % 2][-1]
         if not self.seconds[False]:
             return chains[-1]
         best = self.best()
+        plain = best == Plan(0)
         other = chains if best.tree else trees
         drafting = [p for p in other if p.drafts]
-        if drafting and self.weight.get(drafting[0], 0.0) < self.stale:
+        if drafting and not plain and self.weight.get(drafting[0], 0.0) < self.stale:
             # what is known of the other kind is old: measure it again, all its arms at once
             # with its largest (shared cycles: its arm expected to pay most, the largest
             # being the dearest there)
@@ -454,13 +517,23 @@ class AdaptiveStrategy:
         if self.cycles < self.next_probe:
             return best
         self.next_probe = self.cycles + self.probe_gap
-        longest = self.plain_probe_gap if best == Plan(0) else self.max_probe_gap
+        longest = self.plain_probe_gap if plain else self.max_probe_gap
         self.probe_gap = min(2 * self.probe_gap, longest)
         self.probes += 1
+        if plain:  # the smallest arm of both kinds: probe the cheapest drafting arm of each
+            self.plain_probe = True
+            cheapest = [chains[1], *trees[:1]]
+            return cheapest[self.probes % len(cheapest)]
         same = self.arms(best.tree)
         i = same.index(best)
         up = (self.probes % 2 or i == 0) and i < len(same) - 1
         return same[i + 1 if up else max(i - 1, 0)]
+
+    @property
+    def accepted_any(self) -> bool:
+        """Whether any cycle it learned from accepted a draft (else exploring the largest arms
+        further costs cycles that a plain step does in less time)."""
+        return any(self.tokens[p] > self.weight[p] for p in self.tokens if p.drafts)
 
     @property
     def trees_measured(self) -> bool:
@@ -483,10 +556,15 @@ class AdaptiveStrategy:
         """One finished cycle: a chain, or a tree (with its accepted path)."""
         self.cycles += cycle.seconds is not None
         tree = cycle.path is not None
+        if self.plain_probe and cycle.accepted:
+            self.regrow = tree
         if tree and not cycle.proposed:
             return  # the root alone (a reply's last token): nothing learned
         if self.timed and cycle.seconds is not None:
-            running_average(self.seconds[tree], cycle.proposed + 1, cycle.seconds, self.smoothing)
+            idle = plain_idle(self, not tree and not cycle.proposed)
+            running_average(
+                self.seconds[tree], cycle.proposed + 1, cycle.seconds, self.smoothing, idle
+            )
         for plan in self.arms():
             self.tokens[plan] = self.decay * self.tokens.get(plan, 0.0)
             self.weight[plan] = self.decay * self.weight.get(plan, 0.0)

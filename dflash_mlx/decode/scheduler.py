@@ -10,7 +10,8 @@ can share a forward (`rows.batchable`) and whose tokens do not depend on the cyc
 (`Batch._shares`) share one cycle, each row planned by the batch's policy for that many
 rows (`ByWidth`); the others take their own cycles in turn. A failure in one reply's
 part of a cycle ends that reply alone, with its error; a shared cycle that fails runs again
-one reply at a time, so that only a reply that fails alone fails. A single generation is a
+one reply at a time, so that only a reply that fails alone fails (and where each then ran,
+sharing is tried again after a doubling number of cycles). A single generation is a
 batch of one (`replies`). The loop knows nothing of text, time or what proposes the drafts.
 """
 
@@ -34,6 +35,7 @@ from .cycle import Commit, Pending, Reply, Root, RowRequest
 from .plan import FIRST, FixedPlan, Policy, resolve_width
 
 T = TypeVar("T")
+MAX_SHARE_GAP = 256  # the most cycles between tries of a shared launch that keeps failing
 
 
 def prefill(reply: Reply, start: int) -> None:
@@ -117,6 +119,10 @@ class Batch:
         self.joining: list[Reply] = []
         self.shared: Pending | None = None  # the cycle several replies share, if launched
         self.widths = ByWidth()
+        # a shared launch that failed where each of its replies then launched alone failed for
+        # sharing itself (a target whose attention applies the mask itself, as MLA's does, gets
+        # no per-row masks): the next is tried after `share_gap` cycles, doubling while it fails
+        self.unshared, self.share_gap = 0, 1
         self.held: ExitStack | None = None
 
     def add(self, reply: Reply) -> None:
@@ -264,8 +270,10 @@ class Batch:
         queued one launched already). Where the shared one fails to launch, its replies are
         back where they stood and each launches alone."""
         sharing = [row for row in going_on if self._shares(row[0])]
-        alone = []
-        if len(sharing) > 1:
+        alone, failed = [], []
+        if len(sharing) > 1 and self.unshared:
+            self.unshared -= 1
+        elif len(sharing) > 1:
             rows = []
             for reply, root, queued in sharing:
                 if queued:
@@ -273,15 +281,19 @@ class Batch:
                 rows.append(RowRequest(reply, root, self._policy(reply, len(sharing))))
             try:
                 self.shared = cycle.launch(rows)
+                self.share_gap = 1
             except Exception:
-                alone = [(row.reply, row.root) for row in rows]
+                failed = [(row.reply, row.root) for row in rows]
+                alone = list(failed)
             going_on = [row for row in going_on if row not in sharing]
         for reply, root, queued in going_on:
             if queued:  # launched as its cycle settled
                 reply.pending = queued
             else:
                 alone.append((reply, root))
-        self._each(self._launch_alone, alone)
+        launched = {reply for reply, _ in self._each(self._launch_alone, alone)}
+        if failed and all(reply in launched for reply, _ in failed):
+            self.unshared, self.share_gap = self.share_gap, min(2 * self.share_gap, MAX_SHARE_GAP)
 
     def _launch_alone(self, reply: Reply, root: Root) -> None:
         reply.pending = self._launch_next(reply, root)
