@@ -1,7 +1,8 @@
 """Device-to-host reads per cycle: a backend that runs ahead (Metal, CUDA) can queue the
 next cycle only while the host is not waiting on this one, so each cycle reads once: a
 tree is built on the device and read with the target's choices (twice only where the
-policy fits each drafted tree to its drafter's confidence before verifying it)."""
+policy fits each drafted tree to its drafter's confidence before verifying it, and where a
+tree follows plain steps: a tree drafts from its root's value, the last step's token)."""
 
 from collections.abc import Iterator
 
@@ -77,11 +78,30 @@ def test_each_cycle_reads_the_device_once(loaded, reads, setting, drafted_reads)
     model, tokenizer, draft = loaded("llama-tied-gqa")
     prompt = prompt_of(12, seed=3)
     mx.random.seed(0)
-    responses = stream_generate(model, draft, tokenizer, prompt, max_tokens=24, **setting)
-    counts = reads_per_response(responses, reads)
+    responses = []
+    runs = stream_generate(model, draft, tokenizer, prompt, max_tokens=24, **setting)
+    counts = reads_per_response((responses.append(cycles_by_kind(r)) for r in runs), reads)
     assert len(counts) > 3  # counts[0]: the prefill's, not a cycle's
-    # the last cycle may be too short to draft: one read
-    assert counts[1] == drafted_reads and set(counts[1:]) <= {1, drafted_reads}, counts
+    kinds = [kind_of(a, b) for a, b in zip(responses, responses[1:])]
+    for i, count in enumerate(counts[1:], start=1):
+        # a tree drafts from its root's value: where the default gives up plain steps for a
+        # tree, the step queued last is read before the tree is (the probes of a drafter
+        # that does not pay)
+        if count == 2 and drafted_reads != 2 and kinds[i - 1 : i + 1] == ["plain", "tree"]:
+            continue
+        # the last cycle may be too short to draft: one read
+        assert count in {1, drafted_reads}, (i, counts, kinds)
+    assert counts[1] == drafted_reads, counts
+
+
+def cycles_by_kind(response) -> dict[str, int]:
+    drafting = response.drafting
+    return {"chain": drafting.chains, "tree": drafting.trees, "plain": drafting.plain}
+
+
+def kind_of(before: dict[str, int], after: dict[str, int]) -> str:
+    """What decoded the cycle between two responses."""
+    return next((k for k in after if after[k] > before[k]), "none")
 
 
 def test_a_lookup_only_tree_cycle_reads_once(loaded, reads):
