@@ -104,9 +104,8 @@ def shared_cost(seconds: dict[int, float], n: int, rows: int) -> float | None:
     extended along the slope between the two largest drafted sizes measured, or, before
     there are two, `SHARED_POSITION_SHARE` of the smallest's cost per position."""
     cost = interpolated_cost(seconds, n)
-    drafted = [c for m, c in seconds.items() if m > n]
-    if n == 1 and drafted:  # a plain step drafts nothing: it never costs more than a cycle that
-        cost = min(cost, *drafted)  # did, whatever busier moment its average comes from
+    if n == 1:  # a plain step never costs more than a cycle that drafted, whatever busier
+        cost = min([cost, *(c for m, c in seconds.items() if m > 1)])  # moment it was timed in
     if rows == 1 or not seconds or n <= max(seconds):
         return cost
     largest = max(seconds)
