@@ -435,7 +435,8 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
 
     budgets = [5, 2, 7]
     scores = [None, lambda logits, token_ids: logits / 2, None]
-    asked = [DraftTree(*row) for row in zip(roots, together, budgets, scores)]
+    root_arrays = [mx.array([root]) for root in roots]
+    asked = [DraftTree(*row) for row in zip(root_arrays, together, budgets, scores)]
     trees = [tree.read() for tree in draft.trees(3, target.embed_tokens, head, asked)]
     for i, tree in enumerate(trees):
         own = draft.trees(3, target.embed_tokens, head, asked[i : i + 1])[0].read()
@@ -455,7 +456,7 @@ def rows_equal_each_alone(draft, model, tree_rows: bool = True) -> None:
     def requests(proposers_):
         return [
             proposers.TreeRequest(p, root, depth, budget)
-            for p, root, depth, budget in zip(proposers_, roots, depths, budgets)
+            for p, root, depth, budget in zip(proposers_, root_arrays, depths, budgets)
         ]
 
     shared, depths = lookups(), [3, 3, 2]

@@ -178,6 +178,13 @@ class Root:
             self.value = self.array.item()
         return self.value
 
+    def padded(self, tokens: mx.array, positions: int) -> mx.array:
+        """`tokens` padded to `positions` with repeats of it, read or not."""
+        extra = positions - tokens.size
+        if not extra:
+            return tokens
+        return mx.concatenate([tokens, mx.broadcast_to(self.array, (extra,))])
+
 
 @dataclass(frozen=True)
 class RowRequest:
@@ -206,8 +213,6 @@ class ChainRow:
     logq: mx.array | None = None
     verdict: Verdict | None = None
     kept: int = 0
-
-    drafts_from_root_value = False  # its drafts are queued on its root, read or not
 
     @classmethod
     def draft(
@@ -249,9 +254,7 @@ class ChainRow:
         """Its root and drafts, padded to `positions` with repeats of its root (its causal
         mask keeps them out of its real positions)."""
         tokens = mx.concatenate([self.root.array, self.drafts.astype(self.root.array.dtype)])
-        if positions == self.size:
-            return tokens
-        return mx.pad(tokens, (0, positions - self.size), constant_values=self.root.item())
+        return self.root.padded(tokens, positions)
 
     def shape(self, positions: int) -> None:
         """A chain needs no tree shape."""
@@ -312,7 +315,6 @@ class TreeRow:
     read: Tree | None = None
     kept: list[int] = field(default_factory=list)
 
-    drafts_from_root_value = True
     plain = False
 
     @classmethod
@@ -333,7 +335,7 @@ class TreeRow:
             if depth > 0:
                 scores = state.verifier.tree_scores if state.verifier.coupled else None
                 drafting[i] = proposers.TreeRequest(
-                    state.proposer, request.root.item(), depth, plan.drafts, scores
+                    state.proposer, request.root.array, depth, plan.drafts, scores
                 )
         drafted = dict(zip(drafting, proposers.trees(list(drafting.values()))))
         rows = []
@@ -353,10 +355,7 @@ class TreeRow:
 
     def tokens(self, positions: int) -> mx.array:
         """Its nodes' tokens, padded to `positions` with lone leaves holding its root."""
-        tokens = self.tree.tokens
-        if positions == self.size:
-            return tokens
-        return mx.pad(tokens, (0, positions - self.size), constant_values=self.root.item())
+        return self.root.padded(self.tree.tokens, positions)
 
     def shape(self, positions: int) -> TreeShape:
         """Its nodes (padded to `positions` with lone leaves under its root) in the forward."""
@@ -443,7 +442,6 @@ class Pending:
     features: mx.array | None
     marks: list[Mark]
     launching: float = 0.0  # host seconds spent building it while the cycle before ran
-    waited: float = 0.0  # seconds its launch waited for the cycle before's token
 
     @property
     def replies(self) -> list[Reply]:
@@ -483,11 +481,6 @@ def _launch_marked(requests: list[RowRequest], plans: list[Plan]) -> Pending:
 
 def _launch(requests: list[RowRequest], plans: list[Plan], marks: list[Mark]) -> Pending:
     kinds = [TreeRow if plan.tree else ChainRow for plan in plans]
-    tic = time.perf_counter()
-    for request, kind in zip(requests, kinds):
-        if kind.drafts_from_root_value:
-            request.root.item()
-    waited = time.perf_counter() - tic
     contexts = []
     for request in requests:
         state = request.reply.state
@@ -512,9 +505,7 @@ def _launch(requests: list[RowRequest], plans: list[Plan], marks: list[Mark]) ->
     for i, (row, context) in enumerate(zip(rows, contexts)):
         row.verify(forward.logits[i, : row.size], context)
     mx.async_eval([part for row in rows for part in row.computed()])
-    pending = Pending(rows, positions, forward.features, marks)
-    pending.waited = waited
-    return pending
+    return Pending(rows, positions, forward.features, marks)
 
 
 NONE = mx.array([], dtype=mx.uint32)  # no drafts
@@ -588,7 +579,7 @@ def _queue_next(pending: Pending, launch_next: Callable[[Reply, Root], Pending])
     tic = time.perf_counter()
     queued = launch_next(reply, Root(row.verdict.token[None].astype(mx.int32)))
     # the next cycle's host work is its own cost, not this one's
-    queued.launching = time.perf_counter() - tic - queued.waited
+    queued.launching = time.perf_counter() - tic
     return queued
 
 

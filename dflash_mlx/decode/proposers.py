@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..models.draft import Choose, DFlashDraft, DraftChain, DraftTree, TreeScores
+from ..models.draft import (
+    Choose,
+    DFlashDraft,
+    DraftChain,
+    DraftTree,
+    TreeScores,
+    block_rows,
+)
 from ..models.target import TargetAdapter
 from ..models.tree import Chain, Drafted, Tree, search
 from .lookup import ContextLookup
@@ -137,22 +144,15 @@ class ChainRequest:
 
 @dataclass(frozen=True)
 class TreeRequest:
-    """A row's request for a tree: up to `budget` draft tokens after `root`, at most `depth`
-    deep, from its `proposer`, ranked by `scores` of the drafter's logits (None: the logits
-    themselves)."""
+    """A row's request for a tree: up to `budget` draft tokens after `root` (a token (1,),
+    maybe still on the device), at most `depth` deep, from its `proposer`, ranked by `scores`
+    of the drafter's logits (None: the logits themselves)."""
 
     proposer: Proposer
-    root: int
+    root: mx.array
     depth: int
     budget: int
     scores: TreeScores | None = None
-
-
-def block_rows(roots: list[mx.array], length: int, mask: int) -> mx.array:
-    """The drafter's blocks (rows, 1 + length): each root (a token (1,), maybe still on the
-    device), then `length` mask tokens."""
-    masks = mx.full((length,), mask, dtype=roots[0].dtype)
-    return mx.stack([mx.concatenate([root, masks]) for root in roots])
 
 
 def chains(requests: list[ChainRequest]) -> list[tuple[mx.array, mx.array | None]]:
@@ -197,7 +197,7 @@ def trees(requests: list[TreeRequest]) -> list[Drafted]:
         for i, tree in zip(members, drafted):
             out[i] = tree
     return [
-        search(mx.array([r.root]), None, None, r.budget, chain) if tree is None else tree
+        search(r.root, None, None, r.budget, chain) if tree is None else tree
         for r, chain, tree in zip(requests, chains, out)
     ]
 

@@ -90,15 +90,23 @@ class DraftChain:
 
 @dataclass(frozen=True)
 class DraftTree:
-    """One row of a drafter forward that drafts a tree: its `root` token, its context
-    `cache`, up to `budget` nodes, ranked by `scores` of the drafter's logits (None: the
-    logits themselves), with a `chain` of known tokens grafted (the prompt lookup's)."""
+    """One row of a drafter forward that drafts a tree: its `root` token (shape (1,), maybe
+    still on the device), its context `cache`, up to `budget` nodes, ranked by `scores` of
+    the drafter's logits (None: the logits themselves), with a `chain` of known tokens grafted
+    (the prompt lookup's)."""
 
-    root: int
+    root: mx.array
     cache: list[KVCache]
     budget: int
     scores: TreeScores | None = None
     chain: Chain | None = None
+
+
+def block_rows(roots: list[mx.array], length: int, mask: int) -> mx.array:
+    """The drafter's blocks (rows, 1 + length): each root (a token (1,), maybe still on the
+    device), then `length` mask tokens."""
+    masks = mx.full((length,), mask, dtype=roots[0].dtype)
+    return mx.stack([mx.concatenate([root, masks]) for root in roots])
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -754,7 +762,7 @@ class DFlashDraft(nn.Module):
         position's tokens apart (over the head's own columns), by the row's `scores` of its
         logits if given (the coupled rule's perturbed log q); DFlash 2 scores each token
         given the one before, as its selector walks."""
-        blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
+        blocks = block_rows([row.root for row in rows], depth, self.config.mask_token_id)
         caches = [row.cache for row in rows]
         if "candidate_selector" in self:
             hidden = self.mask_hidden(blocks, embed, caches)
@@ -775,4 +783,4 @@ def rank_tree(row: DraftTree, logits: mx.array, token_ids: list[int] | None) -> 
     `scores` of its logits (depth, columns), if given, else by the logits themselves."""
     if row.scores is not None:
         logits = row.scores(logits, token_ids)
-    return ranked_tree(mx.array([row.root]), logits, row.budget, token_ids, row.chain)
+    return ranked_tree(row.root, logits, row.budget, token_ids, row.chain)

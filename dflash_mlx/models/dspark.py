@@ -55,6 +55,7 @@ from .draft import (
     DraftChain,
     DraftHead,
     DraftTree,
+    block_rows,
     rank_tree,
 )
 from .tree import Drafted, search
@@ -479,7 +480,7 @@ class DSparkDraft(DFlashDraft):
         logits plus the bias of the node's own token. Without a Markov head the slots' logits
         rank apart, by the row's `scores` of them if given (`DFlashDraft.trees`); with one,
         each node's children are ranked by the walk's own."""
-        blocks = mx.array([[row.root] + [self.config.mask_token_id] * depth for row in rows])
+        blocks = block_rows([row.root for row in rows], depth, self.config.mask_token_id)
         hidden = self.slot_hidden(blocks, embed, [row.cache for row in rows])
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
@@ -492,8 +493,7 @@ class DSparkDraft(DFlashDraft):
     def markov_tree(self, row: DraftTree, hidden: mx.array, logits: mx.array) -> Drafted:
         """One row's Markov tree from its slots' outputs and logits (depth, ...)."""
         width = min(row.budget, TREE_WIDTH, logits.shape[-1])
-        root = mx.array([row.root])
-        prev, candidates, edges = root, [], []
+        prev, candidates, edges = row.root, [], []
         for t in range(hidden.shape[0]):
             bias, _ = self.markov_head.step(prev, hidden[t])
             scores = logits[t] + bias.astype(mx.float32)  # (parents, vocab)
@@ -503,4 +503,4 @@ class DSparkDraft(DFlashDraft):
             edges.append(mx.broadcast_to(edge, (width, width)))
             candidates.append(best)
             prev = best
-        return search(root, mx.stack(candidates), mx.stack(edges), row.budget, row.chain)
+        return search(row.root, mx.stack(candidates), mx.stack(edges), row.budget, row.chain)

@@ -453,7 +453,7 @@ class MTPDraft(nn.Module):
             logits.append(step_logits)
             return mx.argmax(step_logits, axis=-1)
 
-        roots = mx.array([row.root for row in rows])[:, None]
+        roots = mx.stack([row.root for row in rows])
         self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
         scored = mx.concatenate(logits, axis=1)
         return [rank_tree(row, scored[i], head.token_ids) for i, row in enumerate(rows)]
