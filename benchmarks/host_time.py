@@ -10,7 +10,9 @@ host spends per token beyond that is where the device waits. That host work is t
 Python and MLX graph building on every backend, so it is measured here without one: random
 weights in the published shapes (`cycle_cost.SHAPES`, bf16) are created lazily and never
 evaluated, so nothing is allocated (the peak memory is printed to show it), and the caches
-hold `--context` positions of lazy zeros.
+hold `--context` positions of lazy zeros, fresh at every round: caches that kept each round's
+graph made the process grow by a forward's graph a round, and each shape's figures then
+depended on which was measured first (`detached`).
 
 Measured, in one process, each a median over `--rounds` interleaved rounds (ms); a cycle in
 mlx-lm steps is the median of its rounds' ratios (each cycle over the step of its own round):
@@ -116,6 +118,17 @@ def make_reply(model, draft, target: TargetAdapter, settings: GenerationSettings
     return Reply(state, plan, cache.tokens + [5], 10**6, set())
 
 
+def detached(caches: list) -> None:
+    """Each cache's arrays as fresh lazy zeros of their shapes: nothing is evaluated, so a
+    cache's arrays would otherwise hold the graphs of every round before (a process whose
+    memory grows by a forward's graph a round, unlike a decoding one's)."""
+    for cache in caches:
+        for name in ("keys", "values"):
+            array = getattr(cache, name, None)
+            if isinstance(array, mx.array):
+                setattr(cache, name, mx.zeros(array.shape, array.dtype))
+
+
 def timed(work: Callable[[], object]) -> tuple[float, object]:
     tic = time.perf_counter()
     out = work()
@@ -182,6 +195,8 @@ def measure(shape: str, rounds: int, context: int, kernels: str) -> dict:
     samples: dict[str, list[float]] = {}
     with device_stubbed(kernels):
         for _ in range(rounds + 2):  # the first two rounds compile and warm caches
+            for reply in [*replies.values(), None]:
+                detached(step_cache if reply is None else cycle.cycle_caches(reply.state))
             samples.setdefault("mlx-lm step", []).append(mlx_lm_step(model, step_cache))
             for case, reply in replies.items():
                 for part, ms in cycle_parts(reply).items():
