@@ -14,7 +14,8 @@ hold `--context` positions of lazy zeros, fresh at every round: caches that kept
 graph made the process grow by a forward's graph a round, and each shape's figures then
 depended on which was measured first (`detached`).
 
-Measured, in one process, each a median over `--rounds` interleaved rounds (ms); a cycle in
+Measured, in one process, each a median over `--rounds` interleaved rounds (ms), each round
+starting one case further along (what a round measures first costs more); a cycle in
 mlx-lm steps is the median of its rounds' ratios (each cycle over the step of its own round):
 
 - mlx-lm's step: the graph `mlx_lm.generate_step` builds per token (`_step`: the model over
@@ -192,14 +193,18 @@ def measure(shape: str, rounds: int, context: int, kernels: str) -> dict:
         case: make_reply(model, draft, target, GenerationSettings(**kw), context)
         for case, kw in CASES.items()
     }
-    samples: dict[str, list[float]] = {}
+    samples: dict[str, list[float]] = {"mlx-lm step": []}
+    order = [None, *replies]  # None: mlx-lm's step; each round starts one further along
     with device_stubbed(kernels):
-        for _ in range(rounds + 2):  # the first two rounds compile and warm caches
-            for reply in [*replies.values(), None]:
-                detached(step_cache if reply is None else cycle.cycle_caches(reply.state))
-            samples.setdefault("mlx-lm step", []).append(mlx_lm_step(model, step_cache))
-            for case, reply in replies.items():
-                for part, ms in cycle_parts(reply).items():
+        for turn in range(rounds + 2):  # the first two rounds compile and warm caches
+            detached(step_cache)
+            for reply in replies.values():
+                detached(cycle.cycle_caches(reply.state))
+            for case in order[turn % len(order) :] + order[: turn % len(order)]:
+                if case is None:
+                    samples["mlx-lm step"].append(mlx_lm_step(model, step_cache))
+                    continue
+                for part, ms in cycle_parts(replies[case]).items():
                     samples.setdefault(f"{case}: {part}", []).append(ms)
     medians = {name: statistics.median(values[2:]) for name, values in samples.items()}
     steps = samples["mlx-lm step"][2:]  # each cycle in steps of its own round: load cancels
