@@ -225,23 +225,25 @@ def _tree_class(cls: type) -> type:
 
             body = {"make_mask": make_mask}
         else:
+            # called twice per attention layer: what can be found once is found here
+            own, places = cls.__call__, getattr(cls, "places_queries", False)
 
             def __call__(self, x, offset=0, *args, **kwargs):
-                hooks = _active()
-                if hooks is None or hooks.positions is None:
-                    return cls.__call__(self, x, offset, *args, **kwargs)
-                rows, n = x.shape[0], x.shape[-2]
-                if x.ndim != 4 or rows * n != hooks.positions.size:
-                    raise ValueError(f"a tree forward cannot place an input of shape {x.shape}")
+                hooks = getattr(_BUILDING, "hooks", None)
+                positions = None if hooks is None else hooks.positions
+                if positions is None:
+                    return own(self, x, offset, *args, **kwargs)
+                shape = x.shape
+                if len(shape) != 4 or shape[0] * shape[2] != positions.size:
+                    raise ValueError(f"a tree forward cannot place an input of shape {shape}")
                 hooks.roped.add(id(self))
-                if getattr(cls, "places_queries", False):  # the CPU's: no transposes
-                    return cls.__call__(self, x, hooks.positions, *args, **kwargs)
+                if places:  # the CPU's: no transposes
+                    return own(self, x, positions, *args, **kwargs)
+                rows, heads, n, dim = shape
                 if rows == 1:
-                    out = cls.__call__(self, x.swapaxes(0, -2), hooks.positions, *args, **kwargs)
-                    return out.swapaxes(0, -2)
-                heads, dim = x.shape[1], x.shape[-1]
+                    return own(self, x.swapaxes(0, -2), positions, *args, **kwargs).swapaxes(0, -2)
                 placed = x.transpose(0, 2, 1, 3).reshape(rows * n, heads, 1, dim)
-                out = cls.__call__(self, placed, hooks.positions, *args, **kwargs)
+                out = own(self, placed, positions, *args, **kwargs)
                 return out.reshape(rows, n, heads, dim).transpose(0, 2, 1, 3)
 
             body = {"__call__": __call__}
