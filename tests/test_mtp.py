@@ -460,19 +460,22 @@ def test_cli_generates_with_mtp_and_info_says_which_checkpoints_have_it(
 
 
 def test_a_family_whose_mtp_block_cannot_run_is_refused_in_one_line(tmp_path):
-    """DeepSeek-V4.1's checkpoints name an MTP block (`mtp.*`) this drafter cannot run: generate
-    refuses it in one line naming why, and info says so."""
+    """DeepSeek-V4.1's checkpoints carry `mtp.*` stages this drafter cannot run (a DSpark stack,
+    configured as the published one): generate refuses them in one line naming why, and info
+    says so."""
     build_tokenizer(tmp_path)
     model = build("deepseek_v41")
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config = {"model_type": "deepseek_v41", **DEEPSEEK_V41, "num_nextn_predict_layers": 1}
+    last_layers = list(range(DEEPSEEK_V41["num_hidden_layers"])[-3:])
+    dspark = {"num_nextn_predict_layers": 3, "dspark_target_layer_ids": last_layers}
+    config = {"model_type": "deepseek_v41", **DEEPSEEK_V41, **dspark, "dspark_block_size": 5}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    why = "target model type 'deepseek_v41' has no MTP drafter here: its MTP block"
+    why = "target model type 'deepseek_v41' has no MTP drafter here: its checkpoints' `mtp.0-2.*`"
     out = dflash_in_process(f"generate --model {tmp_path} --draft mtp -p x")
     assert out.returncode == 1 and "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("dflash-mlx generate: error: ") and why in last, out.stderr
-    assert "hyper-connection streams" in last
+    assert "not DeepSeek-V4's MTP block" in last and "3-stage DSpark drafter" in last
     out = dflash_in_process(f"info --model {tmp_path}")
     assert out.returncode == 0 and f"no: {why}" in out.stdout, out.stdout
 

@@ -3,7 +3,8 @@
 Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints carry `mtp.*` tensors, DeepSeek-V3, GLM-4.5 to
 4.7 and GLM-5 a nextn layer after their last (`LAYOUTS`; GLM-5's attends sparsely, as its
 target's layers, its indexer's keys cached beside the latents): DeepSeek-V3's recipe of one
-more decoder layer of the target's own kind. DeepSeek-V4.1's MTP block is refused (`REFUSED`).
+more decoder layer of the target's own kind. DeepSeek-V4.1's `mtp.*` are refused (`REFUSED`):
+they are not DeepSeek-V4's MTP block but a drafter of another kind.
 At position p it reads the target's final hidden state h_p (after the target's last norm) and
 the embedding of the token after it, x_{p+1}, each RMS-normed, concatenated and projected
 (`fc`), through the layer (attention over its own KV cache of every position) and a norm; the
@@ -103,10 +104,12 @@ LAYOUTS = {
 }
 # Families whose checkpoints carry MTP layers this drafter cannot run, and why.
 REFUSED = {
-    "deepseek_v41": "its MTP block (DeepSeek-V4's recipe, `mtp.0.*`: e_proj and h_proj over "
-    "the target's 4 hyper-connection streams, a stream head of its own) reads the residual "
-    "streams before they collapse, and no published implementation defines it for V4.1's "
-    "layers, which collapse by the previous layer's mix (mlx-lm's sanitize drops `mtp.*`)",
+    "deepseek_v41": "its checkpoints' `mtp.0-2.*` are not DeepSeek-V4's MTP block (`e_proj`, "
+    "`h_proj` and a stream head over the last layer's 4 hyper-connection streams, as mlx-vlm's "
+    "deepseek_v4_mtp runs it; V4.1 ships none of them) but a 3-stage DSpark drafter of V4.1 "
+    "blocks (`mtp.0.main_proj` over the streams' mean at `dspark_target_layer_ids`, "
+    "`mtp.2.markov_head` and `confidence_head`), which neither mlx-lm (its sanitize drops "
+    "`mtp.*`) nor mlx-vlm runs",
 }
 PREFIX = "mtp."
 NEXTN_NAMES = {
