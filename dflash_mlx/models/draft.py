@@ -31,6 +31,7 @@ vLLM's `vllm/model_executor/models/qwen3_dflash2.py` (taps masked at the block s
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -635,13 +636,20 @@ class DFlashDraft(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def block_swaps(self, backend: str | None) -> list[Swap]:
-        """The block's class swaps on `backend` (`backends.block_swaps`), found at the first
-        block: graph building is on a cycle's critical path on a GPU, so the module tree is
-        not walked per block (the lists live outside the parameter tree)."""
+        """The class swaps of the drafter's graphs (its block and its context append) on
+        `backend` (`backends.block_swaps`), found at the first block: graph building is on a
+        cycle's critical path on a GPU, so the module tree is not walked per block (the lists
+        live outside the parameter tree)."""
         found = self.__dict__.setdefault("_block_swaps", {})
         if backend not in found:
-            found[backend] = backends.block_swaps([*self.layers, self.norm], backend)
+            found[backend] = backends.block_swaps(
+                [*self.layers, self.norm, self.hidden_norm], backend
+            )
         return found[backend]
+
+    def building(self) -> AbstractContextManager[None]:
+        """While the drafter's graph is built: its block swaps on this backend in place."""
+        return backends.building(self.block_swaps(backends.current()))
 
     def fuse(self, target_hidden: mx.array) -> mx.array:
         """The context rows: concatenated target features -> fc -> hidden_norm."""
@@ -657,16 +665,19 @@ class DFlashDraft(nn.Module):
         counts = counts or [features.shape[1]] * len(caches)
         if len(caches) == 1 and counts[0] < features.shape[1]:
             features = features[:, : counts[0]]
-        context = self.fuse(features)
-        for layer, per_row in zip(self.layers, zip(*caches)):
-            if len(per_row) == 1:
-                (cache,) = per_row
-                cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
-                continue
-            offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
-            keys, values = layer.self_attn.keys_values(context, offsets)
-            for i, (c, n) in enumerate(zip(per_row, counts)):
-                c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        with self.building():  # the block's norms and RoPEs, one RoPE table for all layers
+            context = self.fuse(features)
+            offsets = None
+            for layer, per_row in zip(self.layers, zip(*caches)):
+                if len(per_row) == 1:
+                    (cache,) = per_row
+                    cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
+                    continue
+                if offsets is None:  # one array for every layer: one RoPE table (by its id)
+                    offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
+                keys, values = layer.self_attn.keys_values(context, offsets)
+                for i, (c, n) in enumerate(zip(per_row, counts)):
+                    c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
 
     def __call__(
         self, block_embeddings: mx.array, cache: list[KVCache] | list[BlockContext]
@@ -689,7 +700,7 @@ class DFlashDraft(nn.Module):
         """Final hidden states (rows, L, hidden) of `blocks` (rows, L), row i over its own
         context `caches[i]`, in one drafter forward (one row: through its plain caches)."""
         cache = caches[0] if len(caches) == 1 else row_caches(caches)
-        with backends.building(self.block_swaps(backends.current())):
+        with self.building():
             return self(self.embed_blocks(embed, blocks), cache)
 
     def mask_hidden(
