@@ -61,9 +61,11 @@ REQUIRED_FIELDS = (
 class DraftHead(Protocol):
     """The head a drafter proposes through (`TargetAdapter.draft_head`): called, the
     full-vocabulary logits; `rows`, the logits of its own columns alone, column j being
-    token `token_ids[j]` (`token_ids` None: every token, in order)."""
+    token `token_ids[j]` (`token_ids` None: every token, in order), `ids` the same ids on
+    the device (made once: a tree looks its candidates up there every cycle)."""
 
     token_ids: list[int] | None
+    ids: mx.array | None
 
     def __call__(self, x: mx.array) -> mx.array: ...
 
@@ -786,12 +788,12 @@ class DFlashDraft(nn.Module):
                 for i, row in enumerate(rows)
             ]
         logits = self.draft_logits(blocks, embed, head.rows, caches)
-        return [rank_tree(row, logits[i], head.token_ids) for i, row in enumerate(rows)]
+        return [rank_tree(row, logits[i], head) for i, row in enumerate(rows)]
 
 
-def rank_tree(row: DraftTree, logits: mx.array, token_ids: list[int] | None) -> Drafted:
+def rank_tree(row: DraftTree, logits: mx.array, head: DraftHead) -> Drafted:
     """The tree of a head whose positions rank apart: each depth's tokens by the row's
-    `scores` of its logits (depth, columns), if given, else by the logits themselves."""
+    `scores` of its logits (depth, the head's columns), if given, else by the logits."""
     if row.scores is not None:
-        logits = row.scores(logits, token_ids)
-    return ranked_tree(row.root, logits, row.budget, token_ids, row.chain)
+        logits = row.scores(logits, head.token_ids)
+    return ranked_tree(row.root, logits, row.budget, head.ids, row.chain)

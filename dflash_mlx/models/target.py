@@ -300,7 +300,7 @@ def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 class FullHead:
     """A head over the whole vocabulary, as `draft.DraftHead`: its rows are every token."""
 
-    token_ids = None
+    token_ids = ids = None
 
     def __init__(self, logits: Callable[[mx.array], mx.array]):
         self.rows = self.logits = logits
