@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
@@ -62,9 +63,9 @@ class DraftHead(Protocol):
     """The head a drafter proposes through (`TargetAdapter.draft_head`): called, the
     full-vocabulary logits; `rows`, the logits of its own columns alone, column j being
     token `token_ids[j]` (`token_ids` None: every token, in order), `ids` the same ids on
-    the device (made once: a tree looks its candidates up there every cycle)."""
+    the device (both made once: a tree looks its columns up in them every cycle)."""
 
-    token_ids: list[int] | None
+    token_ids: np.ndarray | None
     ids: mx.array | None
 
     def __call__(self, x: mx.array) -> mx.array: ...
@@ -75,7 +76,7 @@ class DraftHead(Protocol):
 Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
 # `Verifier.tree_scores`: drafter logits (depths 1, 2, ...) and their columns' token ids
 # (None: the vocabulary) -> what a tree ranks its candidates by
-TreeScores = Callable[[mx.array, list[int] | None], mx.array]
+TreeScores = Callable[[mx.array, np.ndarray | None], mx.array]
 
 
 @dataclass(frozen=True)
