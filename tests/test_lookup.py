@@ -13,7 +13,9 @@ from test_families import FAMILIES, build, first_difference
 from test_generate import OracleDraft
 from test_tree import prefixes, run
 
+from dflash_mlx.decode import proposers
 from dflash_mlx.decode.lookup import PRIORS, ContextLookup
+from dflash_mlx.decode.proposers import LookupProposer
 from dflash_mlx.models.checkpoint import init_draft
 from dflash_mlx.models.tree import Tree, ranked_tree
 
@@ -167,3 +169,32 @@ def test_tree_accepts_what_the_lookup_predicts_and_equals_mlx_lm(tokenizer):
     alone, responses = run(model, None, tokenizer, prompt, max_tokens=120, tree_budget=15)
     assert alone == reply
     assert [r.accepted for r in responses[1:]] == predicted
+
+
+def test_a_tree_after_a_plain_step_grafts_no_chain_that_follows_the_token_before(
+    tokenizer, monkeypatch
+):
+    """The default queues a tree on a plain step's token before the host reads it, so the
+    lookup has not been given that root yet: a chain it grafted would continue the token
+    before the root. Every grafted chain continues the root's real token, and the output is
+    mlx-lm's."""
+    _, fields = FAMILIES["llama"]
+    model = build("llama", fields={**fields, "vocab_size": 40})  # replies that repeat
+    draft = init_draft(model, num_layers=2, block_size=16)
+    prompt = np.random.default_rng(1).integers(0, 40, size=21).tolist()
+    trees, seen = proposers.trees, []
+
+    def watched(requests):
+        drafted = trees(requests)
+        for request, tree in zip(requests, drafted):
+            if isinstance(request.proposer, LookupProposer):
+                last = request.proposer.lookup.tokens[-1]
+                grafted = bool((tree.chain >= 0).any().item())
+                seen.append((request.root.item(), last, grafted))
+        return drafted
+
+    monkeypatch.setattr(proposers, "trees", watched)
+    tokens, _ = run(model, draft, tokenizer, prompt, max_tokens=120)
+    assert tokens == reference_greedy(model, prompt, 120, set())
+    assert any(root != last for root, last, _ in seen), "no tree followed a plain step"
+    assert all(root == last for root, last, grafted in seen if grafted), seen

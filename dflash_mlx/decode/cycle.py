@@ -334,8 +334,9 @@ class TreeRow:
             starts.append(state.cache[0].offset)
             if depth > 0:
                 scores = state.verifier.tree_scores if state.verifier.coupled else None
+                root = request.root
                 drafting[i] = proposers.TreeRequest(
-                    state.proposer, request.root.array, depth, plan.drafts, scores
+                    state.proposer, root.array, depth, plan.drafts, scores, root.value is not None
                 )
         drafted = dict(zip(drafting, proposers.trees(list(drafting.values()))))
         rows = []

@@ -146,13 +146,16 @@ class ChainRequest:
 class TreeRequest:
     """A row's request for a tree: up to `budget` draft tokens after `root` (a token (1,),
     maybe still on the device), at most `depth` deep, from its `proposer`, ranked by `scores`
-    of the drafter's logits (None: the logits themselves)."""
+    of the drafter's logits (None: the logits themselves), with the proposer's chain grafted
+    if `graft` (not where the root is still on the device: the proposer has not been given
+    it, so its chain would follow the token before)."""
 
     proposer: Proposer
     root: mx.array
     depth: int
     budget: int
     scores: TreeScores | None = None
+    graft: bool = True
 
 
 def chains(requests: list[ChainRequest]) -> list[tuple[mx.array, mx.array | None]]:
@@ -182,7 +185,7 @@ def trees(requests: list[TreeRequest]) -> list[Drafted]:
     (`Proposer.chain`: the prompt lookup's). The rows drafting with one drafter module to one
     depth share one drafter forward (`DFlashDraft.trees`); a row without a drafter grows
     from its root alone."""
-    chains = [r.proposer.chain(r.depth) for r in requests]
+    chains = [r.proposer.chain(r.depth) if r.graft else None for r in requests]
     out: list[Drafted | None] = [None] * len(requests)
     groups = by_drafter([r.proposer for r in requests], [r.depth for r in requests])
     for (_, depth), members in groups.items():

@@ -411,14 +411,14 @@ class Verifier:
                 self.noises[position] = position_noise(self.seed, position, vocab)
         return np.stack([self.noises[position] for position in positions])
 
-    def tree_scores(self, logits: mx.array, token_ids: list[int] | None) -> mx.array:
+    def tree_scores(self, logits: mx.array, token_ids: np.ndarray | None) -> mx.array:
         """What a coupled drafter tree ranks each depth's candidates by: log q + that depth's
         noise, rows for depths 1, 2, ... (columns `token_ids` of the vocabulary, for a draft
         vocabulary); the tree then holds the target's likely coupled choices."""
         positions = list(range(self.position, self.position + logits.shape[0]))
         noise = self.noise(positions, self.vocab)
         if token_ids is not None:
-            noise = noise[:, np.asarray(token_ids)]
+            noise = noise[:, token_ids]
         if self.draft_ranking is None:
             return self.transform(logits) + mx.array(noise)
         index, perturbed = self._perturbed_ranking(logits, noise)

@@ -31,12 +31,14 @@ vLLM's `vllm/model_executor/models/qwen3_dflash2.py` (taps masked at the block s
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
@@ -60,9 +62,11 @@ REQUIRED_FIELDS = (
 class DraftHead(Protocol):
     """The head a drafter proposes through (`TargetAdapter.draft_head`): called, the
     full-vocabulary logits; `rows`, the logits of its own columns alone, column j being
-    token `token_ids[j]` (`token_ids` None: every token, in order)."""
+    token `token_ids[j]` (`token_ids` None: every token, in order), `ids` the same ids on
+    the device (both made once: a tree looks its columns up in them every cycle)."""
 
-    token_ids: list[int] | None
+    token_ids: np.ndarray | None
+    ids: mx.array | None
 
     def __call__(self, x: mx.array) -> mx.array: ...
 
@@ -72,7 +76,7 @@ class DraftHead(Protocol):
 Choose = Callable[..., tuple[mx.array, mx.array | None]]  # `Verifier.propose`
 # `Verifier.tree_scores`: drafter logits (depths 1, 2, ...) and their columns' token ids
 # (None: the vocabulary) -> what a tree ranks its candidates by
-TreeScores = Callable[[mx.array, list[int] | None], mx.array]
+TreeScores = Callable[[mx.array, np.ndarray | None], mx.array]
 
 
 @dataclass(frozen=True)
@@ -635,13 +639,20 @@ class DFlashDraft(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def block_swaps(self, backend: str | None) -> list[Swap]:
-        """The block's class swaps on `backend` (`backends.block_swaps`), found at the first
-        block: graph building is on a cycle's critical path on a GPU, so the module tree is
-        not walked per block (the lists live outside the parameter tree)."""
+        """The class swaps of the drafter's graphs (its block and its context append) on
+        `backend` (`backends.block_swaps`), found at the first block: graph building is on a
+        cycle's critical path on a GPU, so the module tree is not walked per block (the lists
+        live outside the parameter tree)."""
         found = self.__dict__.setdefault("_block_swaps", {})
         if backend not in found:
-            found[backend] = backends.block_swaps([*self.layers, self.norm], backend)
+            found[backend] = backends.block_swaps(
+                [*self.layers, self.norm, self.hidden_norm], backend
+            )
         return found[backend]
+
+    def building(self) -> AbstractContextManager[None]:
+        """While the drafter's graph is built: its block swaps on this backend in place."""
+        return backends.building(self.block_swaps(backends.current()))
 
     def fuse(self, target_hidden: mx.array) -> mx.array:
         """The context rows: concatenated target features -> fc -> hidden_norm."""
@@ -657,16 +668,19 @@ class DFlashDraft(nn.Module):
         counts = counts or [features.shape[1]] * len(caches)
         if len(caches) == 1 and counts[0] < features.shape[1]:
             features = features[:, : counts[0]]
-        context = self.fuse(features)
-        for layer, per_row in zip(self.layers, zip(*caches)):
-            if len(per_row) == 1:
-                (cache,) = per_row
-                cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
-                continue
-            offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
-            keys, values = layer.self_attn.keys_values(context, offsets)
-            for i, (c, n) in enumerate(zip(per_row, counts)):
-                c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        with self.building():  # the block's norms and RoPEs, one RoPE table for all layers
+            context = self.fuse(features)
+            offsets = None
+            for layer, per_row in zip(self.layers, zip(*caches)):
+                if len(per_row) == 1:
+                    (cache,) = per_row
+                    cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
+                    continue
+                if offsets is None:  # one array for every layer: one RoPE table (by its id)
+                    offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
+                keys, values = layer.self_attn.keys_values(context, offsets)
+                for i, (c, n) in enumerate(zip(per_row, counts)):
+                    c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
 
     def __call__(
         self, block_embeddings: mx.array, cache: list[KVCache] | list[BlockContext]
@@ -689,7 +703,7 @@ class DFlashDraft(nn.Module):
         """Final hidden states (rows, L, hidden) of `blocks` (rows, L), row i over its own
         context `caches[i]`, in one drafter forward (one row: through its plain caches)."""
         cache = caches[0] if len(caches) == 1 else row_caches(caches)
-        with backends.building(self.block_swaps(backends.current())):
+        with self.building():
             return self(self.embed_blocks(embed, blocks), cache)
 
     def mask_hidden(
@@ -775,12 +789,12 @@ class DFlashDraft(nn.Module):
                 for i, row in enumerate(rows)
             ]
         logits = self.draft_logits(blocks, embed, head.rows, caches)
-        return [rank_tree(row, logits[i], head.token_ids) for i, row in enumerate(rows)]
+        return [rank_tree(row, logits[i], head) for i, row in enumerate(rows)]
 
 
-def rank_tree(row: DraftTree, logits: mx.array, token_ids: list[int] | None) -> Drafted:
+def rank_tree(row: DraftTree, logits: mx.array, head: DraftHead) -> Drafted:
     """The tree of a head whose positions rank apart: each depth's tokens by the row's
-    `scores` of its logits (depth, columns), if given, else by the logits themselves."""
+    `scores` of its logits (depth, the head's columns), if given, else by the logits."""
     if row.scores is not None:
-        logits = row.scores(logits, token_ids)
-    return ranked_tree(row.root, logits, row.budget, token_ids, row.chain)
+        logits = row.scores(logits, head.token_ids)
+    return ranked_tree(row.root, logits, row.budget, head.ids, row.chain)

@@ -484,7 +484,7 @@ class DSparkDraft(DFlashDraft):
         hidden = self.slot_hidden(blocks, embed, [row.cache for row in rows])
         if "markov_head" not in self:
             logits = self.head_logits(hidden, head.rows)
-            return [rank_tree(row, logits[i], head.token_ids) for i, row in enumerate(rows)]
+            return [rank_tree(row, logits[i], head) for i, row in enumerate(rows)]
         if self.config.markov_head_type == "rnn":
             raise ValueError("a DSpark drafter with an rnn Markov head drafts chains, not trees")
         logits = self.head_logits(hidden, head).astype(mx.float32)

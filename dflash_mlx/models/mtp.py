@@ -459,7 +459,7 @@ class MTPDraft(nn.Module):
         roots = mx.stack([row.root for row in rows])
         self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
         scored = mx.concatenate(logits, axis=1)
-        return [rank_tree(row, scored[i], head.token_ids) for i, row in enumerate(rows)]
+        return [rank_tree(row, scored[i], head) for i, row in enumerate(rows)]
 
 
 def _mask(h: mx.array, cache: Any) -> mx.array | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, wired_limit
 from mlx_lm.models.base import gather_last_axis
@@ -300,7 +301,7 @@ def _find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 class FullHead:
     """A head over the whole vocabulary, as `draft.DraftHead`: its rows are every token."""
 
-    token_ids = None
+    token_ids = ids = None
 
     def __init__(self, logits: Callable[[mx.array], mx.array]):
         self.rows = self.logits = logits
@@ -331,7 +332,8 @@ class RestrictedHead:
         self.vocab = head.weight.shape[0]
         if not token_ids or not 0 <= min(token_ids) <= max(token_ids) < self.vocab:
             raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {self.vocab})")
-        self.head, self.token_ids, self.ids = head, list(token_ids), mx.array(token_ids)
+        self.head, self.token_ids = head, np.array(token_ids, dtype=np.int32)
+        self.ids = mx.array(self.token_ids)
         self.weights = {n: w[self.ids] for n, w in head.items() if isinstance(w, mx.array)}
         mx.eval(self.weights)
         backend = backends.current()  # the drafter's block: 2-16 rows

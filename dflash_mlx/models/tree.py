@@ -399,18 +399,18 @@ def ranked_tree(
     root: mx.array,
     scores: mx.array,
     budget: int,
-    token_ids: list[int] | None = None,
+    ids: mx.array | None = None,
     chain: Chain | None = None,
 ) -> Drafted:
     """The `budget` best prefixes with positions independent given the root: `scores`
     (depth, columns) rank each position's tokens (log-normalised here), column j being token
-    `token_ids[j]` (None: token j). Each position's `budget` best columns are its candidates."""
+    `ids[j]` (None: token j). Each position's `budget` best columns are its candidates."""
     rows = scores.astype(mx.float32)
     logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
     k = min(budget, rows.shape[-1])
     top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
     edges = mx.take_along_axis(logprobs, top, axis=-1)[:, None]
-    tokens = top if token_ids is None else mx.array(token_ids)[top]
+    tokens = top if ids is None else ids[top]
     return search(root, tokens, edges, budget, chain)
 
 

@@ -48,7 +48,11 @@ def active_backend(backend: str = "auto") -> str:
     "auto" (unless DFLASH_MLX_KERNELS says otherwise) picks Metal when it is
     available and its self-check passed; a forced "metal" raises instead.
     """
-    backend = requested_backend(backend)
+    return _active(requested_backend(backend))
+
+
+def _active(backend: str) -> str:
+    """`active_backend` of a backend already requested (`requested_backend`)."""
     if backend == "reference":
         return "reference"
     failure = _metal_failure()
@@ -76,7 +80,7 @@ def block_attention(
     """
     args = (queries, ctx_keys, ctx_values, block_keys, block_values)
     backend = requested_backend(backend)
-    if backend != "reference" and active_backend(backend) == "metal":
+    if _active(backend) == "metal":
         if metal.supports(*args):
             return metal.metal_attention(*args, scale=scale)
         if backend == "metal":

@@ -28,8 +28,12 @@ def reference_attention(
     row_max = scores[0].max(axis=-1, keepdims=True)
     for s in scores[1:]:
         row_max = mx.maximum(row_max, s.max(axis=-1, keepdims=True))
-    probs = [mx.exp(s - row_max) for s in scores]
-    denom = sum(p.sum(axis=-1, keepdims=True) for p in probs)
-    out = sum(p.astype(v.dtype) @ v for p, (_, v) in zip(probs, sources, strict=True))
+    denom = out = None
+    for s, (_, v) in zip(scores, sources, strict=True):
+        p = mx.exp(s - row_max)
+        part, total = p.astype(v.dtype) @ v, p.sum(axis=-1, keepdims=True)
+        # summed from the first term, not from 0: one op fewer each, the same sums
+        denom = total if denom is None else denom + total
+        out = part if out is None else out + part
     out = (out / denom).astype(queries.dtype)
     return out.reshape(b, n_q_heads, block_len, head_dim)
