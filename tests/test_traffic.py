@@ -11,7 +11,7 @@ from test_server import MODEL, PROMPTS, openai_client, running_server
 import dflash_mlx
 from dflash_mlx import cli
 from dflash_mlx.paths import cache_dir
-from dflash_mlx.train.data import lockstep_replies, read_records
+from dflash_mlx.train.data import decoding_order, lockstep_replies, read_records, templated_ids
 from dflash_mlx.train.prompts import build_prompts
 
 
@@ -147,6 +147,24 @@ def test_lockstep_replies_are_the_targets_greedy_replies(loaded):
         assert r["ids"][r["start"] :] == expected
         lengths.add(len(expected))
     assert len(lengths) > 1  # some rows stopped early, and the others went on without them
+
+
+def test_a_data_run_stopped_early_has_the_pools_mix_of_categories(loaded):
+    """`train data` decodes prompts of similar length together, but only within windows of
+    the pool's own order: the first replies of a long run (one stopped by hand) are code,
+    math and chat as the pool mixes them, not its shortest prompts (chat) first."""
+    _, tokenizer, _ = loaded(MODEL)
+    prompts = build_prompts(3000, seed=0)
+    lengths = [len(templated_ids(tokenizer, p)) for p in prompts]
+    order = decoding_order(lengths, batch_size=32)
+    assert sorted(order) == list(range(len(prompts)))
+    first = [prompts[i]["category"] for i in order[:512]]
+    for category in ("coding", "math", "chat"):
+        assert 0.25 < first.count(category) / len(first) < 0.42, (category, first.count(category))
+    for start in range(0, len(order), 512):  # each window decodes short to long
+        window = [lengths[i] for i in order[start : start + 512]]
+        assert window == sorted(window)
+    assert sorted(lengths) != [lengths[i] for i in order]  # not one global sort
 
 
 def test_replies_kept_compressed_are_imported_as_they_are(make_pair, tmp_path, capsys):

@@ -99,6 +99,19 @@ def generate_replies(
     gen.close()
 
 
+def decoding_order(lengths: list[int], batch_size: int, window_batches: int = 16) -> list[int]:
+    """Prompt indices in the order lockstep batches decode them: the prompts' own order, cut
+    into windows of `window_batches` batches, each window sorted by length so a batch pads
+    little. A run stopped at any point has then taken the pool's mix of categories, not its
+    shortest prompts (a global sort decodes every short chat prompt before the first code)."""
+    window = batch_size * window_batches
+    return [
+        i
+        for start in range(0, len(lengths), window)
+        for i in sorted(range(start, min(start + window, len(lengths))), key=lengths.__getitem__)
+    ]
+
+
 def lockstep_replies(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
@@ -107,18 +120,18 @@ def lockstep_replies(
     batch_size: int = 32,
 ) -> Iterator[dict]:
     """The records `generate_replies` yields, decoded in lockstep: `batch_size` prompts of
-    similar length prefilled together (left-padded), then one forward per token for all,
-    finished rows dropped every 16 steps. No row joins a running batch, so no cache is ever
-    merged into it, as mlx-lm's continuous batching does for each newcomer; on a CPU the
-    widest batch the few-row kernel takes (32) decodes fastest (`benchmarks/data_rate.py`).
-    Targets whose layers do not all keep a plain KV
-    cache (sliding windows, recurrent layers) fall back to `generate_replies`."""
+    similar length (`decoding_order`) prefilled together (left-padded), then one forward per
+    token for all, finished rows dropped every 16 steps. No row joins a running batch, so no
+    cache is ever merged into it, as mlx-lm's continuous batching does for each newcomer; on a
+    CPU the widest batch the few-row kernel takes (32) decodes fastest
+    (`benchmarks/data_rate.py`). Targets whose layers do not all keep a plain KV cache
+    (sliding windows, recurrent layers) fall back to `generate_replies`."""
     if not all(type(c) is KVCache for c in make_prompt_cache(model)):
         yield from generate_replies(model, tokenizer, prompts, max_tokens, batch_size)
         return
     eos = mx.array(sorted(tokenizer.eos_token_ids))
     ids = [templated_ids(tokenizer, p) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
+    order = decoding_order([len(i) for i in ids], batch_size)
     for b in range(0, len(order), batch_size):
         rows = order[b : b + batch_size]
         width = max(len(ids[i]) for i in rows)
