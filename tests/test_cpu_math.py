@@ -209,6 +209,8 @@ def test_logsumexp_matches_float64_and_keeps_rows_of_minus_infinity():
 
 
 def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(loaded):
+    """Its block and its context append (the hidden_norm) build through compiled norms and
+    RoPEs, and the block's hidden states keep their bits."""
     model, _, draft = loaded("llama-tied-gqa")
     target = TargetAdapter(model)
     cache = target.make_cache()
@@ -227,7 +229,8 @@ def test_the_drafters_block_runs_its_norms_and_rope_compiled_with_the_same_bits(
         results.append(hidden)
     kinds = {type(m).__name__ for m in norms}
     assert kinds == {"RMSNorm", "RoPE"}  # every class is back
-    assert len(norms) == 5 * len(draft.layers) + 1  # 4 norms and a RoPE a layer
+    # 4 norms and a RoPE a layer, the final norm and the context's hidden_norm
+    assert len(norms) == 5 * len(draft.layers) + 2
     assert mx.array_equal(*results)
 
 
