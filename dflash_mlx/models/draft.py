@@ -668,16 +668,15 @@ class DFlashDraft(nn.Module):
         counts = counts or [features.shape[1]] * len(caches)
         if len(caches) == 1 and counts[0] < features.shape[1]:
             features = features[:, : counts[0]]
-        with self.building():  # the block's norms and RoPEs, one RoPE table for all layers
+        # rows: one array of their offsets for every layer, so one RoPE table (found by its id)
+        offsets = None if len(caches) == 1 else mx.array([c[0].offset for c in caches], mx.int32)
+        with self.building():  # the block's norms and RoPEs
             context = self.fuse(features)
-            offsets = None
             for layer, per_row in zip(self.layers, zip(*caches)):
                 if len(per_row) == 1:
                     (cache,) = per_row
                     cache.update_and_fetch(*layer.self_attn.keys_values(context, cache.offset))
                     continue
-                if offsets is None:  # one array for every layer: one RoPE table (by its id)
-                    offsets = mx.array([c.offset for c in per_row], dtype=mx.int32)
                 keys, values = layer.self_attn.keys_values(context, offsets)
                 for i, (c, n) in enumerate(zip(per_row, counts)):
                     c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
