@@ -179,7 +179,9 @@ def search(
     unless they are the target's own choice.
 
     Its graph is built each cycle, so only the beams' choices are made depth by depth; the
-    prefixes' tokens, parents and the chain's meetings are found for all depths at once.
+    prefixes' tokens, parents and the chain's meetings are found for all depths at once, and
+    the whole graph is compiled (`_searched`): one call replays its ~150 primitives, whose
+    layout depends on the shapes alone.
     """
     known, known_logprobs = chain or ([], [])
     deepest = max(0 if candidates is None else candidates.shape[0], len(known))
@@ -187,19 +189,35 @@ def search(
     nodes = min(budget, max(sum(sizes), len(known)))
     if nodes == 0:
         return Drafted.alone(root)
+    if known:
+        known = (mx.array(known, dtype=mx.int32), mx.array(known_logprobs, dtype=mx.float32))
+    else:
+        known = None
+    return Drafted(*_searched(root, candidates, edges, known, sizes, nodes), deepest)
+
+
+@mx.compile
+def _searched(
+    root: mx.array,
+    candidates: mx.array | None,
+    edges: mx.array | None,
+    chain: tuple[mx.array, mx.array] | None,
+    sizes: tuple[int, ...],
+    nodes: int,
+) -> list[mx.array]:
+    """`search`'s tree arrays: the beams of `sizes` (none without candidates), the chain's
+    tokens and log q (or None) grafted, the best `nodes` kept."""
     if sizes:
         score, token, parent = _beams(candidates, edges, sizes)
     else:
         score, token, parent = mx.zeros((0,)), mx.zeros((0,), mx.int32), mx.zeros((0,), mx.int32)
+    length = 0 if chain is None else chain[0].size
     met, chain_scores = _chain(score, token, parent, sizes, chain)
-    if known:
+    if chain is not None:
         score = mx.concatenate([score, *chain_scores])
-        token = mx.concatenate([token, mx.array(known, dtype=mx.int32)])
-        met = mx.concatenate([met, mx.zeros((len(known),), dtype=mx.bool_)])
-    tokens, parents, depths, logprobs, chain_nodes = _select(
-        root, score, token, parent, met, _order(sizes, len(known)), nodes
-    )
-    return Drafted(tokens, parents, depths, logprobs, chain_nodes, deepest)
+        token = mx.concatenate([token, chain[0]])
+        met = mx.concatenate([met, mx.zeros((length,), dtype=mx.bool_)])
+    return _select(root, score, token, parent, met, _order(sizes, length), nodes)
 
 
 def _beam_sizes(depth: int, width: int, budget: int) -> tuple[int, ...]:
@@ -281,18 +299,20 @@ def _chain(
     token: mx.array,
     parent: mx.array,
     sizes: tuple[int, ...],
-    chain: Chain | None,
+    chain: tuple[mx.array, mx.array] | None,
 ) -> tuple[mx.array, list[mx.array]]:
-    """Which beams' prefixes the chain met (its tokens all the way from the root), and the
-    chain's scores: each of its tokens' log q after the score before, or the score of the
-    prefix it met there if better."""
-    known, known_logprobs = chain or ([], [])
-    met_depths = min(len(known), len(sizes))
+    """Which beams' prefixes the chain (its tokens and their log q) met (its tokens all the
+    way from the root), and the chain's scores: each of its tokens' log q after the score
+    before, or the score of the prefix it met there if better."""
+    if chain is None:
+        return mx.zeros(score.shape, dtype=mx.bool_), []
+    known, known_logprobs = chain
+    met_depths = min(known.size, len(sizes))
     if not met_depths:
         return mx.zeros(score.shape, dtype=mx.bool_), _chain_scores(known_logprobs, [])
     depth, own, in_depth = _chain_layout(sizes, met_depths)
-    at_depth = np.array([*known[:met_depths], *[-1] * (len(sizes) - met_depths)])[depth]
-    met = token == mx.array(at_depth, mx.int32)
+    unmet = mx.full((len(sizes) - met_depths,), -1, dtype=mx.int32)
+    met = token == mx.concatenate([known[:met_depths], unmet])[depth]
     up = parent + own  # a prefix of depth 1 stands for the root: its own parent
     for _ in range((met_depths - 1).bit_length()):  # each pass doubles the ancestors checked
         met = met & mx.take_along_axis(met, up, axis=0)
@@ -302,23 +322,20 @@ def _chain(
 
 
 @lru_cache(maxsize=64)
-def _chain_layout(sizes: tuple[int, ...], met_depths: int) -> tuple[np.ndarray, mx.array, mx.array]:
+def _chain_layout(sizes: tuple[int, ...], met_depths: int) -> tuple[mx.array, mx.array, mx.array]:
     """For a chain meeting the beams of `sizes` in their first `met_depths` depths: each
-    prefix's depth - 1 (on the host), each one's index + 1 at depth 1 (0 deeper: added to
-    its parent, -1 there, it makes it its own), and which prefixes each of those depths
-    holds."""
+    prefix's depth - 1, each one's index + 1 at depth 1 (0 deeper: added to its parent, -1
+    there, it makes it its own), and which prefixes each of those depths holds."""
     depth = _depths(sizes) - 1
     own = np.where(depth == 0, np.arange(depth.size) + 1, 0)
     in_depth = depth[None] == np.arange(met_depths)[:, None]
-    return depth, mx.array(own, mx.int32), mx.array(in_depth)
+    return mx.array(depth, mx.int32), mx.array(own, mx.int32), mx.array(in_depth)
 
 
-def _chain_scores(logprobs: list[float], met: list[mx.array]) -> list[mx.array]:
+def _chain_scores(logprobs: mx.array, met: list[mx.array]) -> list[mx.array]:
     """The chain's scores: summed log q along it, or the score of the prefix met, if better."""
-    if not logprobs:
-        return []
     score, scores = mx.zeros((1,), dtype=mx.float32), []
-    for t, step in enumerate(mx.split(mx.array(logprobs, mx.float32), len(logprobs))):
+    for t, step in enumerate(mx.split(logprobs, logprobs.size)):
         score = score + step
         if t < len(met):
             score = mx.maximum(score, met[t])
@@ -405,19 +422,30 @@ def ranked_tree(
     """The `budget` best prefixes with positions independent given the root: `scores`
     (depth, columns) rank each position's tokens (log-normalised here), column j being token
     `ids[j]` (None: token j). Each position's `budget` best columns are its candidates."""
+    tokens, edges = _ranked(scores, ids, min(budget, scores.shape[-1]))
+    return search(root, tokens, edges, budget, chain)
+
+
+@mx.compile
+def _ranked(scores: mx.array, ids: mx.array | None, k: int) -> tuple[mx.array, mx.array]:
+    """Each row's `k` best columns of `scores`, log-normalised: their tokens (`ids` of the
+    columns, or the columns) and log-probabilities (depth, 1, k), one compiled call."""
     rows = scores.astype(mx.float32)
     logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-    k = min(budget, rows.shape[-1])
     top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
     edges = mx.take_along_axis(logprobs, top, axis=-1)[:, None]
-    tokens = top if ids is None else ids[top]
-    return search(root, tokens, edges, budget, chain)
+    return (top if ids is None else ids[top]), edges
 
 
 def ancestor_mask(parents: mx.array | list[int]) -> mx.array:
     """(n, n) bool: entry (i, j) is True when node j is node i or one of its ancestors, on
     the device: node and parent squared until paths as long as the tree's are covered."""
-    parents = mx.array(parents)
+    return _ancestors(mx.array(parents))
+
+
+@mx.compile
+def _ancestors(parents: mx.array) -> mx.array:
+    """`ancestor_mask`'s graph, one compiled call per tree size."""
     nodes = mx.arange(parents.size)
     reach = (nodes[:, None] == nodes[None, :]) | (parents[:, None] == nodes[None, :])
     for _ in range((parents.size - 1).bit_length()):
