@@ -191,16 +191,17 @@ def _rope_table(
     shared within `shared_rope_tables`. An offset of one entry per row and position (a
     tree's nodes) is taken as one row per position and placed back. The memo holds each
     key's offset and freqs, so no id in its keys can be reused while it lives."""
-    position = offset if isinstance(offset, int) else id(offset)
-    rows = offset.size if isinstance(offset, mx.array) and offset.size > 1 else 1
-    length = x.shape[-2]
-    placed = length > 1 and rows == x.shape[0] * length
+    array = isinstance(offset, mx.array)
+    rows, length = offset.size if array else 1, x.shape[-2]
+    position = id(offset) if array else offset
     key = (position, id(freqs), length, rows, dims, traditional, base, scale, x.dtype)
     memo = getattr(_tables, "memo", None)
-    if memo is not None and key in memo:
-        return memo[key][2:]
-    if not isinstance(offset, mx.array):  # one trace serves every position
+    found = None if memo is None else memo.get(key)
+    if found is not None:
+        return found[2]
+    if not array:  # one trace serves every position
         offset = mx.array(offset, dtype=mx.int32)
+    placed = length > 1 and rows == x.shape[0] * length
     unit = mx.array(_unit_pairs(dims, traditional)).astype(x.dtype)
     unit = mx.broadcast_to(unit, (rows, 1, 1 if placed else length, dims))
     table = _rope(unit, offset, dims, traditional, base, scale, freqs)
@@ -212,7 +213,7 @@ def _rope_table(
     else:
         cos, sin = table[..., :half], table[..., half:]
     if memo is not None:
-        memo[key] = (offset, freqs, cos, sin)
+        memo[key] = (offset, freqs, (cos, sin))
     return cos, sin
 
 
@@ -231,16 +232,17 @@ def rope(
     by a forward's RoPEs (`shared_rope_tables`). `offset` may also hold one position per
     row and query (a tree forward's nodes), which mx.fast.rope cannot take."""
     shape = x.shape
-    if x.ndim == 3:
+    if len(shape) == 3:
         x = x[:, None]
-    elif x.ndim > 4:
+    elif len(shape) > 4:
         x = x.reshape(shape[0], -1, *shape[-2:])
     cos, sin = _rope_table(x, dims, traditional, base, scale, offset, freqs)
-    return _rotate(x, cos, sin, traditional).reshape(shape)
+    out = _rotate(x, cos, sin, traditional)
+    return out if len(shape) == 4 else out.reshape(shape)
 
 
 def _compiled_rms_norm(self: nn.RMSNorm, x: mx.array) -> mx.array:
-    return rms_norm(x, self["weight"], self.eps)
+    return _rms_norm(x, self["weight"], self.eps)
 
 
 def _compiled_rope(self: nn.RoPE, x: mx.array, offset: int | mx.array = 0) -> mx.array:
