@@ -393,9 +393,9 @@ class TreeRow:
         """Book its accepted path: everything off it leaves the target's caches, its tokens
         join the reply's, and its policy records what it verified, accepted and cost (`cost()`,
         once it is booked: the walk included)."""
-        parts = len(self.tree.parts())
-        self.read = Drafted.of(values[:parts])
-        commit, path = self._walk(values[parts].tolist() if len(values) > parts else None)
+        tree, choices = (values, None) if self.choices is None else (values[:-1], values[-1])
+        self.read = Drafted.of(tree)
+        commit, path = self._walk(None if choices is None else choices.tolist())
         state = self.reply.state
         keep_path(state.cache, self.start, path)
         state.tokens.extend([self.read.tokens[node] for node in path])

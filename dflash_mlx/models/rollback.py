@@ -484,8 +484,8 @@ def keep_path(caches: list[Any], start: int, nodes: list[int]) -> None:
     moved = nodes != list(range(kept))  # else the path is in front already
     indices: dict[int, mx.array] = {}  # by first position: one for the layers alike
     for c in cache_parts(caches):
-        first = start - getattr(c, "dropped", 0)  # the tree's first node in the arrays
         if moved:
+            first = start - getattr(c, "dropped", 0)  # the tree's first node in the arrays
             if first not in indices:
                 indices[first] = mx.array([node + first for node in nodes])
             index = indices[first]

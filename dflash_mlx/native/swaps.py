@@ -21,21 +21,24 @@ from typing import Any
 Swap = tuple[Any, type, type]  # (module, its own class, the class it takes)
 
 
+# past `nn.Module.__setattr__`, whose checks cost more than the swap: a forward swaps
+# hundreds of modules in and out
+_set = object.__setattr__
+
+
 def swap_in(swaps: list[Swap]) -> list[Swap]:
     """Give each module of `swaps` the class it takes; the swaps done. A module that is not
     of its own class (another thread has swapped it) is left alone: both compute alike."""
-    taken = [(m, cls, new) for m, cls, new in swaps if type(m) is cls]
-    # past `nn.Module.__setattr__`, whose checks cost more than the swap: a forward swaps
-    # hundreds of modules in and out
+    taken = [swap for swap in swaps if type(swap[0]) is swap[1]]
     for m, _, new in taken:
-        object.__setattr__(m, "__class__", new)
+        _set(m, "__class__", new)
     return taken
 
 
 def swap_out(taken: list[Swap]) -> None:
     """Give the modules `swap_in` swapped their own classes back."""
     for m, cls, _ in taken:
-        object.__setattr__(m, "__class__", cls)
+        _set(m, "__class__", cls)
 
 
 @contextmanager
