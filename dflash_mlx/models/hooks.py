@@ -251,6 +251,16 @@ def _tree_class(cls: type) -> type:
     return _TREE_CLASSES[cls]
 
 
+def tree_swaps(swaps: list[Swap], ropes: list[nn.Module]) -> list[Swap]:
+    """A tree forward's swaps: `swaps` with each of the `ropes` given the tree class of the
+    class `swaps` gives it (or of its own), found once with them: a RoPE then changes class
+    once per forward, not twice."""
+    roping = {id(rope) for rope in ropes}
+    out = [(m, cls, _tree_class(new) if id(m) in roping else new) for m, cls, new in swaps]
+    swapped = {id(m) for m, _, _ in swaps}
+    return out + [(r, type(r), _tree_class(type(r))) for r in ropes if id(r) not in swapped]
+
+
 @contextmanager
 def hooked(
     recorded: list[tuple[Any, nn.Module]],
@@ -263,10 +273,11 @@ def hooked(
     """While the block builds one forward's graph: the modules of `recorded` (key, module)
     record their outputs (`Hooks.outputs`, by key), the `checkpointed` modules checkpoint
     their caches, and with `trees` ((a row's caches, its TreeForward)) the rows' cache parts
-    give their trees' masks and the `ropes` put the queries at `positions`. Call it with the
-    forward's other swaps in place (it subclasses the classes the objects have then) and
-    `HOOKING` held. A model (type `model`) whose attention took neither the trees' masks
-    nor their positions is refused after the forward, before anything is read from it.
+    give their trees' masks and the `ropes` put the queries at `positions` (their tree
+    classes come with the forward's other swaps: `tree_swaps`). Call it with those swaps in
+    place (it subclasses the classes the objects have then) and `HOOKING` held. A model
+    (type `model`) whose attention took neither the trees' masks nor their positions is
+    refused after the forward, before anything is read from it.
     """
     keys = {id(m): key for key, m in recorded}
     for module in checkpointed:
@@ -276,8 +287,7 @@ def hooked(
     hooks = Hooks(keys, {id(m) for m in checkpointed}, {id(c): t for c, t in parts}, positions)
     swaps: list[Swap] = [(m, type(m), _hooked_class(type(m))) for m in modules.values()]
     if trees:
-        objects = [*(c for c, _ in parts), *ropes]
-        swaps += [(obj, type(obj), _tree_class(type(obj))) for obj in objects]
+        swaps += [(c, type(c), _tree_class(type(c))) for c, _ in parts]
     _BUILDING.hooks = hooks
     try:
         with swapped(swaps):

@@ -457,7 +457,7 @@ class TargetAdapter:
                 "only targets whose caches are all plain KV or recurrent caches batch replies"
             )
         plain = caches is None or (prompt and attention is None)  # mlx-lm's own forward
-        swaps = [] if plain else self.verify_swaps(n, attention)
+        swaps = [] if plain else self.verify_swaps(n, attention, trees is not None)
         recorded = self._recorded(taps or [])
         checkpointed = self.checkpointed if caches is not None else []
         tree_rows, positions = [], None
@@ -526,16 +526,20 @@ class TargetAdapter:
             with _CLAIMING:
                 _GENERATING.discard(id(self.model))
 
-    def verify_swaps(self, positions: int, attention: Callable | None = None) -> list[Swap]:
+    def verify_swaps(
+        self, positions: int, attention: Callable | None = None, tree: bool = False
+    ) -> list[Swap]:
         """The class swaps of a forward over `positions` on this backend
-        (`backends.verify_swaps`, with `attention` for batched forwards), found once per
-        backend and kind of forward."""
+        (`backends.verify_swaps`, with `attention` for batched forwards; for a forward with
+        tree rows, the RoPEs' tree classes too: `hooks.tree_swaps`), found once per backend
+        and kind of forward."""
         backend = backends.current()
-        key = (backend, positions > 1, attention)
+        key = (backend, positions > 1, attention, tree)
         if key not in self._verify_swaps:
             norms = [self.backbone.get(name) for name in FINAL_NORMS]
             modules = [*self.layers, *[n for n in norms if isinstance(n, nn.Module)], self.head]
-            self._verify_swaps[key] = backends.verify_swaps(modules, backend, positions, attention)
+            swaps = backends.verify_swaps(modules, backend, positions, attention)
+            self._verify_swaps[key] = hooks.tree_swaps(swaps, self.ropes) if tree else swaps
         return self._verify_swaps[key]
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
