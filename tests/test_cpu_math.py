@@ -83,7 +83,7 @@ def test_verify_classes_rebind_mlx_lms_functions_in_a_copy_only():
         backends.verify_class(llama.Attention, "cpu"),
     )
     assert issubclass(mlp, llama.MLP) and issubclass(attention, llama.Attention)
-    assert mlp.__call__.__globals__["swiglu"] is cpu_math.swiglu
+    assert mlp.__call__.__globals__["swiglu"] is backends._cpu_swiglu
     assert llama.MLP.__call__.__globals__["swiglu"] is swiglu  # mlx-lm's module is untouched
     assert llama.swiglu is swiglu
     assert backends.verify_class(nn.Linear, "cpu") is None  # calls neither
@@ -107,6 +107,21 @@ def test_a_verify_mlp_computes_what_mlx_lms_does():
     plain = mlp(x)
     mlp.__class__ = backends.verify_class(llama.MLP, "cpu")
     assert mx.allclose(mlp(x), plain, atol=1e-5)
+
+
+def test_a_half_precision_verify_mlp_keeps_its_dtype_and_mlx_lms_bits():
+    # cpu_math's exp is float32 arithmetic: a bf16 MLP through it would carry float32 into
+    # the rest of the verify forward, which decoding computes in bf16
+    mx.random.seed(5)
+    args = llama.ModelArgs("llama", 64, 1, 160, 4, 1e-5, 100, num_key_value_heads=2)
+    mlp = llama.MLP(args)
+    mlp.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 7, 64)).astype(mx.bfloat16)
+    plain = mlp(x)
+    mlp.__class__ = backends.verify_class(llama.MLP, "cpu")
+    ours = mlp(x)
+    assert ours.dtype == mx.bfloat16
+    assert mx.array_equal(ours, plain)
 
 
 def test_the_verify_forward_hooks_every_block_of_a_llama(loaded):

@@ -74,6 +74,14 @@ def _cpu_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array
     return cpu_attention.attention(queries, keys, values, scale, mask)
 
 
+def _cpu_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """mlx-lm's `swiglu` by `cpu_math`'s float32 exp where it applies: a half-precision MLP
+    keeps mlx-lm's, so its forward stays in its own dtype as decoding's does."""
+    if gate.dtype != mx.float32:
+        return swiglu(gate, up)
+    return cpu_math.swiglu(gate, up)
+
+
 def _cuda_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, with the CUDA verify kernel for a causal block
     (MLX's semantics: the last n keys are the block's) and for a tree over a plain KV cache."""
@@ -96,7 +104,7 @@ def _cuda_sdpa(queries, keys, values, cache, scale, mask, sinks=None) -> mx.arra
 # calls the replacements instead during a verify forward on that backend.
 REPLACEMENTS = {
     "cpu": {
-        "swiglu": (swiglu, cpu_math.swiglu),
+        "swiglu": (swiglu, _cpu_swiglu),
         "scaled_dot_product_attention": (scaled_dot_product_attention, _cpu_sdpa),
     },
     "cuda": {"scaled_dot_product_attention": (scaled_dot_product_attention, _cuda_sdpa)},
