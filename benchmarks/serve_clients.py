@@ -243,7 +243,8 @@ def server_commands(args: argparse.Namespace, model: Path, ports: dict[str, int]
     def dflash(name: str) -> list[str]:
         return [
             *(sys.executable, "-m", "dflash_mlx", "serve", "--model", str(model)),
-            *("--draft", args.draft, "--tree-budget", str(args.tree_budget)),
+            *("--draft", args.draft),
+            *(("--tree-budget", str(args.tree_budget)) if args.tree_budget else ()),
             *("--port", str(ports[name]), "--max-queue", str(most), "--log-level", "warning"),
         ]
 
@@ -277,7 +278,10 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="model dir (default: SmolLM2 in float32)")
     parser.add_argument("--draft", default=str(SHIPPED_DRAFTER))
     parser.add_argument(
-        "--tree-budget", type=int, default=DEMO_TREE_BUDGET, help="dflash-mlx serve's (0: chain)"
+        "--tree-budget",
+        type=int,
+        default=DEMO_TREE_BUDGET,
+        help="dflash-mlx serve's (0: none, the library's default policy)",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per server")
     parser.add_argument(

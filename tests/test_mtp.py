@@ -3,7 +3,7 @@ and Qwen3-Next checkpoints with `mtp.*` tensors, and GLM-4.5, DeepSeek-V3 and GL
 a nextn layer, in the published names, loaded from the target's own safetensors; greedy
 replies equal to mlx-lm's at several block sizes; every chain equal to the MTP layer run from
 scratch over the whole sequence; shared cycles with per-row acceptance, each reply equal to
-its solo reply; refusals in one line."""
+its solo reply; drafts through a draft vocabulary; refusals in one line."""
 
 import copy
 import json
@@ -28,6 +28,7 @@ from test_families import (
     FAMILIES,
     GLM_DSA,
     PROMPT,
+    VOCAB,
     build,
     first_difference,
     prompt_of,
@@ -48,7 +49,7 @@ from dflash_mlx.decode.adaptive import Plan
 from dflash_mlx.decode.plan import FixedPlan
 from dflash_mlx.decode.sampling import make_logprobs_transform
 from dflash_mlx.models import mtp
-from dflash_mlx.models.draft import DraftChain
+from dflash_mlx.models.draft import DraftChain, DraftTree
 from dflash_mlx.models.mtp import MTPConfig, MTPDraft, MTPRow, mtp_args
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.serve import Worker
@@ -301,22 +302,29 @@ def test_greedy_equals_mlx_lm(checkpoints, name, block_size):
     assert len(set(accepted)) > 1  # drafts accepted and rejected: rollbacks of several depths
 
 
-def chain_from_scratch(model, draft, name: str, sequence: list[int], length: int) -> list[int]:
+def chain_from_scratch(
+    model, draft, name: str, sequence: list[int], length: int, vocab: list[int] | None = None
+) -> tuple[list[int], np.ndarray]:
     """The greedy chain after `sequence` (its last token the root), the MTP layer run over the
     whole sequence without a cache at every step: the target's final hidden states from
-    mlx-lm's own backbone (after its norm), each with the embedding of the token after it."""
+    mlx-lm's own backbone (after its norm), each with the embedding of the token after it.
+    With a draft vocabulary `vocab`, each step's best of the full head's logits at those
+    columns, mapped back to its id. Also each step's log-probabilities over the columns."""
     target = TargetAdapter(model)
     hidden = target.backbone(mx.array(sequence[:-1])[None])
     tokens = mx.array(sequence[1:])[None]
-    chain = []
+    columns = np.arange(VOCAB) if vocab is None else np.array(vocab)
+    chain, logprobs = [], []
     for _ in range(length):
         out = mtp_forward(draft, target, tokens, hidden)[:, -1:]
         normed = draft.norm(out)
-        chain.append(mx.argmax(target.lm_head(normed[:, -1]), axis=-1).item())
+        logits = np.array(target.lm_head(normed[0, -1]), dtype=np.float64)[columns]
+        chain.append(int(columns[logits.argmax()]))
+        logprobs.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
         carried = out if name in NEXTN_FAMILIES else normed  # as vLLM runs each family's
         hidden = mx.concatenate([hidden, carried], axis=1)
         tokens = mx.concatenate([tokens, mx.array([[chain[-1]]])], axis=1)
-    return chain
+    return chain, np.stack(logprobs)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +352,137 @@ def test_every_chain_equals_the_mtp_layer_run_from_scratch(checkpoints, name, mo
     if name == "glm_moe_dsa":  # the later chains' queries see more keys than the indexer keeps
         assert max(len(sequence) for sequence, _ in calls) > GLM_DSA["index_topk"]
     for sequence, chain in calls[::2]:  # each check reruns the whole sequence
-        assert chain == chain_from_scratch(model, draft, name, sequence, len(chain)), len(sequence)
+        scratch, _ = chain_from_scratch(model, draft, name, sequence, len(chain))
+        assert chain == scratch, len(sequence)
+
+
+def with_vocab(path, vocab: list[int], out):
+    """A copy of the checkpoint at `path` whose config.json lists its MTP layers' draft
+    vocabulary, in any order, with repeats (`train export --draft-vocab` writes it sorted)."""
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    config[mtp.VOCAB_KEY] = [vocab[-1], *vocab]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def row_after(draft, target, sequence: list[int], length: int) -> MTPRow:
+    """A reply holding `sequence[:length]`, its features waiting for the next chain."""
+    state = SimpleNamespace(draft=draft.make_cache(), tokens=sequence[:length])
+    taps = draft.config.target_layer_ids
+    features = target.forward(mx.array(state.tokens)[None], None, taps=taps).features
+    draft.append_context(features, [MTPRow(state)])
+    return MTPRow(state)
+
+
+def best_prefixes(logprobs: np.ndarray, vocab: list[int], budget: int) -> dict[tuple, float]:
+    """The `budget` most likely prefixes (as id tuples) of positions independent given the
+    root, each position's `logprobs` over the columns `vocab`: every prefix of each
+    position's `budget` best columns, scored."""
+    best = [np.argsort(-row)[:budget] for row in logprobs]
+    prefixes = {(): 0.0}
+    for depth, columns in enumerate(best):
+        longest = [p for p in prefixes if len(p) == depth]
+        for prefix in longest:
+            for c in columns:
+                prefixes[(*prefix, vocab[c])] = prefixes[prefix] + logprobs[depth, c]
+    del prefixes[()]
+    return dict(sorted(prefixes.items(), key=lambda item: -item[1])[:budget])
+
+
+def tree_prefixes(tree) -> dict[tuple, float]:
+    """A drafted tree's nodes below the root, as their prefixes' ids, with their scores."""
+    tokens, parents = np.array(tree.tokens).tolist(), np.array(tree.parents).tolist()
+    out = {}
+    for node in range(1, len(tokens)):
+        path, at = [], node
+        while at > 0:
+            path.append(tokens[at])
+            at = parents[at]
+        out[tuple(reversed(path))] = float(tree.logprobs[node].item())
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+def test_chains_and_trees_through_a_draft_vocabulary_equal_the_restricted_layer(checkpoints, name):
+    """Through a draft vocabulary's head the MTP layer's chain is the greedy chain over those
+    columns of the full head's logits, mapped back to their ids (the layer run from scratch
+    over the whole sequence), its q 0 outside them and their log-softmax inside; its tree
+    holds the best prefixes of each step's top columns along that chain."""
+    _, model, _, draft, expected = checkpoints(name)
+    target = TargetAdapter(model)
+    sequence, n = PROMPT + expected, len(PROMPT) + 9
+    unrestricted, _ = chain_from_scratch(model, draft, name, sequence[: n + 1], 4)
+    vocab = sorted((set(range(0, VOCAB, 2)) | set(expected[::3])) - {unrestricted[0]})
+    head = target.draft_head(vocab)
+    root = mx.array([sequence[n]])
+
+    [(chain, logq)] = draft.propose(
+        root[None],
+        target.embed_tokens,
+        head,
+        requests([row_after(draft, target, sequence, n)], [greedy_choose], [4]),
+    )
+    reference, logprobs = chain_from_scratch(model, draft, name, sequence[: n + 1], 4, vocab)
+    assert chain.tolist() == reference and reference[0] != unrestricted[0]
+    logq = np.array(logq)
+    assert (logq[:, np.setdiff1d(np.arange(VOCAB), vocab)] == -np.inf).all()
+    np.testing.assert_allclose(logq[:, vocab], logprobs, atol=1e-4)
+
+    budget = 6
+    [tree] = draft.trees(
+        3,
+        target.embed_tokens,
+        head,
+        [DraftTree(root, row_after(draft, target, sequence, n), budget)],
+    )
+    drafted, best = tree_prefixes(tree), best_prefixes(logprobs[:3], vocab, budget)
+    assert drafted.keys() == best.keys()
+    assert all(abs(drafted[k] - best[k]) < 1e-4 for k in best)
+
+
+@pytest.mark.parametrize(
+    "name, setting", [("qwen3_5", dict(block_size=4)), ("glm4_moe", dict(tree_budget=6))]
+)
+def test_greedy_with_a_draft_vocabulary_equals_mlx_lm(
+    checkpoints, tmp_path, monkeypatch, name, setting
+):
+    """MTP layers whose checkpoint lists a draft vocabulary draft inside it, in chains (Qwen3.5)
+    and in trees (GLM-4.5), and the reply is mlx-lm's; `full_vocab` ignores the list, and a
+    list outside the vocabulary is refused in one line."""
+    path, model, tokenizer, _, expected = checkpoints(name)
+    vocab = sorted(set(range(0, VOCAB, 2)) | set(expected[::3]))
+    draft = load_draft("mtp", target=with_vocab(path, vocab, tmp_path / "vocab"))
+    assert draft.config.draft_vocab == vocab
+    assert load_draft("mtp", target=tmp_path / "vocab", full_vocab=True).config.draft_vocab is None
+    drafted = []
+    propose, trees = MTPDraft.propose, MTPDraft.trees
+
+    def proposed(self, *args):
+        out = propose(self, *args)
+        drafted.extend(t for tokens, _ in out for t in tokens.tolist())
+        return out
+
+    def grown(self, *args):
+        out = trees(self, *args)
+        for tree in out:  # not the root, nor the prompt lookup's grafted chain
+            grafted = set(np.array(tree.chain).tolist())
+            nodes = np.array(tree.tokens).tolist()
+            drafted.extend(t for i, t in enumerate(nodes) if i and i not in grafted)
+        return out
+
+    monkeypatch.setattr(MTPDraft, "propose", proposed)
+    monkeypatch.setattr(MTPDraft, "trees", grown)
+    tokens, responses = generated(model, draft, tokenizer, PROMPT, max_tokens=TOKENS, **setting)
+    assert tokens == expected, f"first difference at token {first_difference(tokens, expected)}"
+    assert sum(r.accepted for r in responses) > 0
+    assert len(drafted) > TOKENS // 4 and set(drafted) <= set(vocab)
+
+    config = json.loads((tmp_path / "vocab" / "config.json").read_text())
+    config[mtp.VOCAB_KEY] = [1, VOCAB]
+    (tmp_path / "vocab" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"mtp_draft_vocab must be .* in \\[0, {VOCAB}\\)"):
+        load_draft("mtp", target=tmp_path / "vocab")
 
 
 def requests(rows, chooses, lengths) -> list[DraftChain]:
@@ -586,16 +724,21 @@ def test_drafts_equal_mlx_vlms_mtp_drafter(checkpoints, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "setting",
+    "setting, vocab",
     [
-        dict(temperature=0.8, top_k=5),
-        dict(temperature=0.8, top_k=5, acceptance="coupled"),
+        (dict(temperature=0.8, top_k=5), False),
+        (dict(temperature=0.8, top_k=5, acceptance="coupled"), False),
+        (dict(temperature=0.8, top_k=5), True),
     ],
 )
-def test_sampled_replies_follow_the_targets_distribution(checkpoints, setting):
+def test_sampled_replies_follow_the_targets_distribution(checkpoints, tmp_path, setting, vocab):
     """Tokens 3 and 4 of 600 sampled replies (drafts accepted, resampled or the target's
-    own) follow the target's exact marginals, under the speculative and the coupled rule."""
-    _, model, tokenizer, draft, _ = checkpoints("qwen3_5")
+    own) follow the target's exact marginals, under the speculative and the coupled rule,
+    and with a draft vocabulary that lacks the greedy reply's third token (q 0 there)."""
+    path, model, tokenizer, draft, expected = checkpoints("qwen3_5")
+    if vocab:
+        ids = sorted((set(range(0, VOCAB, 2)) | set(expected[:10])) - {expected[2]})
+        draft = load_draft("mtp", target=with_vocab(path, ids, tmp_path / "vocab"))
     transform = make_logprobs_transform(**{k: v for k, v in setting.items() if k != "acceptance"})
     expected = exact_marginals(model, PROMPT, transform, 4)
     mx.random.seed(4)

@@ -1,6 +1,7 @@
 """Training the target's own MTP layer (`train fit --arch mtp`) on a tiny llama target: it
 learns, validation's chains accept what decoding accepts, a resumed run continues exactly, and
-the exported checkpoint drafts with `--draft mtp`, its greedy replies equal to mlx-lm's."""
+the exported checkpoint drafts with `--draft mtp`, its greedy replies equal to mlx-lm's, through
+the draft vocabulary the export lists if asked."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from test_cli import decode_greedy, dflash_in_process
 
 import dflash_mlx
 from dflash_mlx.chat_format import render
+from dflash_mlx.models.mtp import VOCAB_KEY
 from dflash_mlx.models.target import TargetAdapter
 from dflash_mlx.train.data import extend_dataset, read_records
+from dflash_mlx.train.export import top_tokens
 from dflash_mlx.train.features import cache_features, load_features
 from dflash_mlx.train.mtp import MTP_FILE, MTPTrainer, checkpoint_mtp, export_mtp, make_mtp
 from dflash_mlx.train.prompts import build_prompts
@@ -143,6 +146,7 @@ def test_the_cli_trains_resumes_and_exports_an_mtp_layer(replies, tmp_path):
         "--eval-prompts 1 --eval-max-tokens 8",
         f"train fit {work} --steps 3 --val-seqs 4 --eval-prompts 0",  # resumes the MTP layer
         f"train export {work} --out {tmp_path / 'out'} --dtype float32",
+        f"train export {work} --out {tmp_path / 'vocab'} --dtype float32 --draft-vocab 24",
     ):
         result = dflash_in_process(stage)
         assert result.returncode == 0, (stage, result.stderr)
@@ -155,6 +159,23 @@ def test_the_cli_trains_resumes_and_exports_an_mtp_layer(replies, tmp_path):
     ids = render(tokenizer, "What is 2 + 2?", chat=True)
     reply = dflash_in_process(
         f"generate --model {tmp_path / 'out'} --draft mtp --max-tokens 16 --json "
+        f"-p 'What is 2 + 2?'"
+    )
+    assert reply.returncode == 0, reply.stderr
+    assert json.loads(reply.stdout)["text"] == decode_greedy(model, tokenizer, ids, 16)[0]
+
+    # --draft-vocab: the replies' most frequent tokens and EOS, listed in the target's
+    # config.json, where `--draft mtp` finds them (mlx-lm ignores the key)
+    config = json.loads((tmp_path / "vocab" / "config.json").read_text())
+    replies = read_records(tmp_path / "replies.jsonl")
+    vocab = top_tokens(replies, 24, tokenizer.eos_token_ids)
+    assert config[VOCAB_KEY] == vocab and len(vocab) == 24
+    assert dflash_mlx.load_draft("mtp", target=tmp_path / "vocab").config.draft_vocab == vocab
+    assert "MTP layer(s), unquantized (llama; --draft mtp), drafting 24 of" in (
+        dflash_in_process(f"info --model {tmp_path / 'vocab'}").stdout
+    )
+    reply = dflash_in_process(
+        f"generate --model {tmp_path / 'vocab'} --draft mtp --max-tokens 16 --json "
         f"-p 'What is 2 + 2?'"
     )
     assert reply.returncode == 0, reply.stderr

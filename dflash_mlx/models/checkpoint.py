@@ -114,7 +114,7 @@ def load_draft(
                 "the 'mtp' drafter is the target's own MTP layers: load_draft('mtp', target=M); "
                 "generate, chat and serve take --draft mtp"
             )
-        return load_mtp(target, dtype, mtp_bits)
+        return load_mtp(target, dtype, mtp_bits, full_vocab=full_vocab)
     if mtp_bits is not None:
         raise ValueError("mtp_bits (--mtp-bits) quantizes the 'mtp' drafter only")
     path = resolve_path(path_or_repo, "drafter", ["*.json", "*.safetensors", "*.md"])

@@ -30,7 +30,7 @@ vLLM's `vllm/model_executor/models/qwen3_dflash2.py` (taps masked at the block s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
@@ -202,13 +202,9 @@ class DFlashConfig:
             rope_scaling = rope
         draft_vocab = dflash.get("draft_vocab", cfg.get("draft_vocab"))
         if draft_vocab is not None:
-            draft_vocab = sorted({int(t) for t in draft_vocab})
-            vocab_size = int(cfg["vocab_size"])
-            if not draft_vocab or not 0 <= draft_vocab[0] <= draft_vocab[-1] < vocab_size:
-                raise ValueError(
-                    f"drafter config.json: draft_vocab must be non-empty token ids in "
-                    f"[0, {vocab_size})"
-                )
+            draft_vocab = draft_vocabulary(
+                draft_vocab, int(cfg["vocab_size"]), "drafter config.json: draft_vocab"
+            )
         layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
         if len(layer_types) != n_layers:
             raise ValueError(
@@ -316,6 +312,15 @@ class DFlashConfig:
         if self.quantization:
             out["quantization"] = self.quantization
         return out
+
+
+def draft_vocabulary(ids: Iterable[int], vocab_size: int, where: str) -> list[int]:
+    """A draft vocabulary's ids, sorted and distinct, or a one-line ValueError naming `where`
+    (the config field that lists them)."""
+    vocab = sorted({int(t) for t in ids})
+    if not vocab or not 0 <= vocab[0] <= vocab[-1] < vocab_size:
+        raise ValueError(f"{where} must be non-empty token ids in [0, {vocab_size})")
+    return vocab
 
 
 def key_mask(rows: mx.array, cols: mx.array, causal: bool, window: int | None) -> mx.array:

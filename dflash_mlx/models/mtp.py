@@ -11,6 +11,10 @@ the embedding of the token after it, x_{p+1}, each RMS-normed, concatenated and 
 target's LM head on the result predicts x_{p+2}.
 A chain runs it k times: each step reads the last step's output as its hidden state and the
 token that step drafted. A tree takes each step's top-k along the greedy chain.
+With a draft vocabulary (`mtp_draft_vocab` in the target's config.json, which `train export
+--draft-vocab N` writes) every step's logits are the head's rows of those ids alone: each
+sequential step of a chain pays for a few thousand rows of the LM head, not the whole
+vocabulary's, as a DFlash drafter's block does.
 
 `MTPDraft` drafts through the same proposer interface as the DFlash drafter (`propose`,
 `trees`, `append_context`, `make_cache`), so the cycle, the samplers and shared cycles take
@@ -41,7 +45,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import backends
-from .draft import DraftChain, DraftHead, DraftTree, rank_tree
+from .draft import DraftChain, DraftHead, DraftTree, draft_vocabulary, rank_tree
 from .loading import (
     cast_model,
     default_dtype,
@@ -131,6 +135,9 @@ CENTRED_NORMS = (
 )
 # Where a checkpoint keeps the target's final norm (names without a leading "model.").
 FINAL_NORM_NAMES = ("norm.weight", "language_model.norm.weight", "language_model.model.norm.weight")
+# The target's config.json key listing the MTP layers' draft vocabulary (our extension:
+# runtimes that do not know it ignore it and draft over every token, which costs speed only).
+VOCAB_KEY = "mtp_draft_vocab"
 CATCH_UP_STEP = 2048  # positions the layers run at a time before a chain (a prefill's step)
 DEFAULT_BLOCK_SIZE = 4  # the root and 3 drafts; the adaptive policy verifies fewer where they pay
 
@@ -138,7 +145,8 @@ DEFAULT_BLOCK_SIZE = 4  # the root and 3 drafts; the adaptive policy verifies fe
 @dataclass
 class MTPConfig:
     """What the proposer interface reads of a drafter's config, for the target's MTP layers:
-    they tap the target's last layer, draft over its whole vocabulary, and use no mask token."""
+    they tap the target's last layer, draft over its whole vocabulary or `draft_vocab`, and
+    use no mask token."""
 
     model_type: str
     hidden_size: int
@@ -381,9 +389,9 @@ class MTPDraft(nn.Module):
     ) -> None:
         """The MTP layers over the waiting positions, then `steps` - 1 steps on their own
         output, every row in one forward per step; `pick(step, logits)` turns each step's
-        logits (rows, 1, vocab) into the tokens (rows, 1) the next step reads. The steps'
-        entries leave the caches again, and the last position waits again; where a pick
-        fails, every row's cache is as it was."""
+        logits (rows, 1, the head's columns) into the tokens (rows, 1) the next step reads.
+        The steps' entries leave the caches again, and the last position waits again; where a
+        pick fails, every row's cache is as it was."""
         for row in rows:
             self._run_ahead(row, embed)
         starts = [row.cache.layers[0].offset for row in rows]
@@ -415,7 +423,9 @@ class MTPDraft(nn.Module):
         """Each row's chain of `length` drafts after its root (`blocks[i, 0]`; the rest of a
         block is unread) and their log-probabilities, chosen by the row's `choose` (a
         `Verifier.propose`) after its `context` and the drafts before. A row's `cache` is its
-        `MTPRow`."""
+        `MTPRow`. `lm_head` gives full-vocabulary logits, as the DFlash drafter's chains read
+        them: a draft vocabulary's head (`TargetAdapter.draft_head`) computes its own rows
+        alone and leaves the others at -inf, so q is 0 outside it and stays exact."""
         drafted: list[list[mx.array]] = [[] for _ in rows]
         logqs: list[list[mx.array]] = [[] for _ in rows]
         contexts = [None if row.context is None else list(row.context) for row in rows]
@@ -449,15 +459,17 @@ class MTPDraft(nn.Module):
     ) -> list[Drafted]:
         """Each row's `budget` most likely continuations of its root, up to `depth` deep, from
         the MTP layers' top-k at each step of their greedy chain (each depth's tokens ranked
-        apart, as the DFlash drafter's, by the row's `scores` of the logits if given)."""
+        apart, as the DFlash drafter's, by the row's `scores` of the logits if given), over
+        the head's own columns (a draft vocabulary's), their ids looked up on the device."""
         logits = []
 
         def pick(step: int, step_logits: mx.array) -> mx.array:
             logits.append(step_logits)
-            return mx.argmax(step_logits, axis=-1)
+            best = mx.argmax(step_logits, axis=-1)
+            return best if head.ids is None else head.ids[best]
 
         roots = mx.stack([row.root for row in rows])
-        self.chain(roots, embed, head, [row.cache for row in rows], depth, pick)
+        self.chain(roots, embed, head.rows, [row.cache for row in rows], depth, pick)
         scored = mx.concatenate(logits, axis=1)
         return [rank_tree(row, scored[i], head) for i, row in enumerate(rows)]
 
@@ -592,13 +604,15 @@ def describe_mtp(path_or_repo: str | Path) -> str:
     """Whether the target checkpoint carries MTP layers dflash-mlx can draft with, in words."""
     path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
     try:
-        model_type, _, num_layers, tensors, _, _ = _read(path)
+        model_type, config, num_layers, tensors, _, _ = _read(path)
     except ValueError as exc:
         return f"no: {exc}"
     if not tensors or not num_layers:
         return f"no: no MTP tensors in this {model_type} checkpoint ({missing(model_type)})"
     stored = "quantized" if any(k.endswith(".scales") for k in tensors) else "unquantized"
-    return f"yes: {num_layers} MTP layer(s), {stored} ({model_type}; --draft mtp)"
+    vocab = config.get(VOCAB_KEY)
+    drafts = "" if vocab is None else f", drafting {len(set(vocab))} of the vocabulary's tokens"
+    return f"yes: {num_layers} MTP layer(s), {stored} ({model_type}; --draft mtp){drafts}"
 
 
 def load_mtp(
@@ -606,13 +620,16 @@ def load_mtp(
     dtype: mx.Dtype | None = None,
     bits: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    full_vocab: bool = False,
 ) -> MTPDraft:
     """The MTP layers of the target checkpoint at `path_or_repo`, as a drafter.
 
     `dtype` defaults to float32 on the CPU and to the checkpoint's dtype on a GPU (MTP layers
     stored quantized stay so there); `bits` quantizes them (group size 64) after that, for
     targets whose MTP layers are worth the loss (quantized MTP layers may be accepted less).
-    Refused in one line for a family without MTP layers or a checkpoint that lacks them.
+    They draft over the checkpoint's draft vocabulary (`VOCAB_KEY`) if it lists one, unless
+    `full_vocab`. Refused in one line for a family without MTP layers or a checkpoint that
+    lacks them.
     """
     path = resolve_path(path_or_repo, "target model", ["*.json", "*.safetensors"])
     model_type, config, num_layers, tensors, final_norm, hugging_face = _read(path)
@@ -621,12 +638,16 @@ def load_mtp(
     if final_norm is None:
         raise ValueError(f"the checkpoint at {path} has no final norm weight (model.norm.weight)")
     args = mtp_args(model_type, config.get("text_config") or config)
+    vocab = None if full_vocab else config.get(VOCAB_KEY)
+    if vocab is not None:
+        vocab = draft_vocabulary(vocab, args.vocab_size, f"{path / 'config.json'}: {VOCAB_KEY}")
     mtp = MTPConfig.for_target(
         model_type,
         args,
         num_hidden_layers=num_layers,
         block_size=block_size,
         quantization=config.get("quantization") if any(".scales" in k for k in tensors) else None,
+        draft_vocab=vocab,
     )
     model = MTPDraft(mtp, args)
     if LAYOUTS[model_type].nextn:

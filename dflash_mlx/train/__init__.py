@@ -192,7 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="let the drafter propose only the N most frequent reply tokens (plus EOS, mask "
-        "and the tokens of the vocabulary of the drafter it was fine-tuned from, if any)",
+        "and the tokens of the vocabulary of the drafter it was fine-tuned from, if any; an "
+        "MTP layer: listed in the target's config.json as mtp_draft_vocab)",
     )
 
     p = sub.add_parser(
@@ -565,44 +566,50 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
     name = {"dflash1": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}[arch_of(draft)]
     card = Path(args.card).read_text() if args.card else f"# {name} drafter, step {step}\n"
     if args.draft_vocab:
-        from mlx_lm.utils import load_tokenizer
-
-        from ..models.gguf import smollm2_model_dir
-        from ..models.loading import read_config, resolve_path
-        from ..models.target import TARGET_PATTERNS
-        from .data import read_records
-        from .export import top_tokens
-
-        target = resolve_path(args.model or smollm2_model_dir(), "target model", TARGET_PATTERNS)
-        tokenizer = load_tokenizer(
-            target,
-            {"trust_remote_code": args.trust_remote_code},
-            eos_token_ids=read_config(target).get("eos_token_id"),
-        )
         # a drafter fine-tuned from one with a draft vocabulary keeps it, and adds the new
         # data's most frequent tokens
-        always = [*tokenizer.eos_token_ids, draft.config.mask_token_id]
-        always += draft.config.draft_vocab or []
-        records = read_records(work / "replies.jsonl")
-        draft.config.draft_vocab = top_tokens(records, args.draft_vocab, always)
-        print(f"draft vocabulary: {len(draft.config.draft_vocab)} tokens")
+        always = [draft.config.mask_token_id, *(draft.config.draft_vocab or [])]
+        draft.config.draft_vocab = export_vocab(args, work, always)
     print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
     if args.published:
         print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")
 
 
+def export_vocab(args: argparse.Namespace, work: Path, always: list[int]) -> list[int]:
+    """`--draft-vocab N`: the target's EOS tokens, `always`, and the most frequent tokens of
+    the work dir's replies, N in all (`export.top_tokens`)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from ..models.loading import read_config
+    from .data import read_records
+    from .export import top_tokens
+
+    target = target_dir(args)
+    tokenizer = load_tokenizer(
+        target,
+        {"trust_remote_code": args.trust_remote_code},
+        eos_token_ids=read_config(target).get("eos_token_id"),
+    )
+    records = read_records(work / "replies.jsonl")
+    vocab = top_tokens(records, args.draft_vocab, [*tokenizer.eos_token_ids, *always])
+    print(f"draft vocabulary: {len(vocab)} tokens")
+    return vocab
+
+
 def run_export_mtp(args: argparse.Namespace, work: Path) -> None:
-    """The target's checkpoint carrying the trained MTP layer (`mtp.export_mtp`)."""
+    """The target's checkpoint carrying the trained MTP layer (`mtp.export_mtp`), with its
+    draft vocabulary (`--draft-vocab`) if asked."""
     from .mtp import MTP_FILE, checkpoint_mtp, export_mtp
 
-    for flag in ("published", "draft_vocab"):
-        if getattr(args, flag):
-            raise ValueError(
-                f"--{flag.replace('_', '-')} is for DFlash drafters: an MTP layer is written "
-                "in the layout DeepSeek-V3 checkpoints carry theirs, and drafts over every token"
-            )
+    if args.published:
+        raise ValueError(
+            "--published is for DFlash drafters: an MTP layer is written in the layout "
+            "DeepSeek-V3 checkpoints carry theirs"
+        )
     target = target_dir(args)
     draft, step = checkpoint_mtp(work / "ckpt", target)
+    if args.draft_vocab:
+        draft.config.draft_vocab = export_vocab(args, work, [])
     card = Path(args.card).read_text() if args.card else f"# MTP layer, step {step}\n"
     out = export_mtp(draft, target, Path(args.out), card, args.dtype)
     print(f"wrote {out} (the target, its MTP layer in {MTP_FILE}; --model {out} --draft mtp)")

@@ -33,7 +33,16 @@ from mlx_lm.models.cache import KVCache
 
 from ..models.checkpoint import save_weights, write_config
 from ..models.loading import read_config
-from ..models.mtp import LAYOUTS, NEXTN_NAMES, MTPConfig, MTPDraft, MTPRow, mtp_args, mtp_layout
+from ..models.mtp import (
+    LAYOUTS,
+    NEXTN_NAMES,
+    VOCAB_KEY,
+    MTPConfig,
+    MTPDraft,
+    MTPRow,
+    mtp_args,
+    mtp_layout,
+)
 from ..models.target import TargetAdapter
 from .blocks import block_labels, block_loss
 from .trainer import Sequence, Trainer
@@ -212,8 +221,9 @@ def nextn_name(name: str, num_layers: int) -> str:
 
 def export_mtp(draft: MTPDraft, target_path: Path, out: Path, card: str, dtype: str) -> Path:
     """The target's checkpoint carrying the MTP layer: its files as they are (weights hard-linked
-    where the file system allows), `num_nextn_predict_layers` in its config, the layer in
-    `MTP_FILE` under DeepSeek-V3's nextn names, and a model card."""
+    where the file system allows), `num_nextn_predict_layers` in its config (and the layer's
+    draft vocabulary as `VOCAB_KEY`, if it has one), the layer in `MTP_FILE` under DeepSeek-V3's
+    nextn names, and a model card."""
     out.mkdir(parents=True, exist_ok=True)
     for file in sorted(p for p in target_path.iterdir() if p.is_file()):
         dest = out / file.name
@@ -226,6 +236,9 @@ def export_mtp(draft: MTPDraft, target_path: Path, out: Path, card: str, dtype: 
     config = read_config(target_path)
     _, text = mtp_layout(config)
     text[LAYOUTS[draft.config.model_type].count] = draft.config.num_hidden_layers
+    config.pop(VOCAB_KEY, None)
+    if draft.config.draft_vocab is not None:
+        config[VOCAB_KEY] = list(draft.config.draft_vocab)
     write_config(out / "config.json", config)
     layers = draft.config.num_target_layers
     weights = {
