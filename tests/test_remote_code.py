@@ -94,7 +94,9 @@ def test_every_command_that_loads_the_tokenizer_takes_the_flag_to_it(
         raise Reached(tokenizer_config_extra)
 
     monkeypatch.setattr(mlx_lm.utils, "load_tokenizer", tokenizer_loader)
-    drafter = SimpleNamespace(config=SimpleNamespace(is_dflash2=False))  # a DFlash 1 one
+    drafter = SimpleNamespace(  # a DFlash 1 one
+        config=SimpleNamespace(is_dflash2=False, mask_token_id=0, draft_vocab=None)
+    )
     monkeypatch.setattr(trainer, "checkpoint_draft", lambda path: (drafter, 0))  # export's first
     (tmp_path / "chats.jsonl").write_text('{"prompt": "hi"}\n')  # finetune's conversations
     for name, command in COMMANDS.items():
