@@ -189,11 +189,10 @@ def search(
     nodes = min(budget, max(sum(sizes), len(known)))
     if nodes == 0:
         return Drafted.alone(root)
+    grafted = None
     if known:
-        known = (mx.array(known, dtype=mx.int32), mx.array(known_logprobs, dtype=mx.float32))
-    else:
-        known = None
-    return Drafted(*_searched(root, candidates, edges, known, sizes, nodes), deepest)
+        grafted = (mx.array(known, dtype=mx.int32), mx.array(known_logprobs, dtype=mx.float32))
+    return Drafted(*_searched(root, candidates, edges, grafted, sizes, nodes), deepest)
 
 
 @mx.compile

@@ -569,22 +569,23 @@ def run_export(args: argparse.Namespace, work: Path) -> None:
         # a drafter fine-tuned from one with a draft vocabulary keeps it, and adds the new
         # data's most frequent tokens
         always = [draft.config.mask_token_id, *(draft.config.draft_vocab or [])]
-        draft.config.draft_vocab = export_vocab(args, work, always)
+        draft.config.draft_vocab = export_vocab(args, work, target_dir(args), always)
     print(f"wrote {export_converted(draft, Path(args.out), card, args.dtype)}")
     if args.published:
         print(f"wrote {export_published(draft, Path(args.published), args.dtype)}")
 
 
-def export_vocab(args: argparse.Namespace, work: Path, always: list[int]) -> list[int]:
-    """`--draft-vocab N`: the target's EOS tokens, `always`, and the most frequent tokens of
-    the work dir's replies, N in all (`export.top_tokens`)."""
+def export_vocab(
+    args: argparse.Namespace, work: Path, target: Path, always: list[int]
+) -> list[int]:
+    """`--draft-vocab N`: the EOS tokens of the target at `target`, `always`, and the most
+    frequent tokens of the work dir's replies, N in all (`export.top_tokens`)."""
     from mlx_lm.utils import load_tokenizer
 
     from ..models.loading import read_config
     from .data import read_records
     from .export import top_tokens
 
-    target = target_dir(args)
     tokenizer = load_tokenizer(
         target,
         {"trust_remote_code": args.trust_remote_code},
@@ -609,7 +610,7 @@ def run_export_mtp(args: argparse.Namespace, work: Path) -> None:
     target = target_dir(args)
     draft, step = checkpoint_mtp(work / "ckpt", target)
     if args.draft_vocab:
-        draft.config.draft_vocab = export_vocab(args, work, [])
+        draft.config.draft_vocab = export_vocab(args, work, target, [])
     card = Path(args.card).read_text() if args.card else f"# MTP layer, step {step}\n"
     out = export_mtp(draft, target, Path(args.out), card, args.dtype)
     print(f"wrote {out} (the target, its MTP layer in {MTP_FILE}; --model {out} --draft mtp)")
