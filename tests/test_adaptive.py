@@ -453,6 +453,23 @@ def test_tree_size_follows_the_tree_before():
     assert min(after_confident) >= 8 and max(after_unsure) <= 1, sizes
 
 
+def test_rows_sharing_a_cycle_size_the_next_tree_together():
+    """Rows one policy plans in a shared cycle share the next size: from their trees' mean
+    path probabilities, the next cycle's trees replacing them."""
+    confident, unsure = [0.95**i for i in range(1, 17)], [0.2**i for i in range(1, 17)]
+
+    def next_size(*cycles: list[list[float]]) -> int:
+        policy = AdaptiveTree(16, min_probe_gap=0, max_probe_gap=0, rows=2)
+        policy.seconds = {1: 1.0, 2: 1.2, 3: 1.25, 5: 1.3, 9: 1.4, 17: 1.6}
+        for trees in cycles:  # the first row is timed, the others are not
+            for row, tree in enumerate(trees):
+                policy.record(Cycle(0, 0, None if row else 1.0, tree))
+        return policy.plan().drafts
+
+    mean = [(a + b) / 2 for a, b in zip(confident, unsure)]
+    assert next_size([unsure]) < next_size([confident, unsure]) == next_size([mean])
+    assert next_size([confident, unsure], [unsure]) == next_size([unsure])
+
 
 # Chains or trees each cycle (`AdaptiveStrategy`). The synthetic tree is `width` nodes per depth
 # along its best path: the target accepts each next depth with probability `rate`, so a tree of

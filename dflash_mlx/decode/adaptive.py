@@ -75,10 +75,9 @@ class Cycle:
     """A finished cycle, as a size policy learns from it: draft tokens verified, accepted
     (the leading ones of a chain; a tree's accepted path), wall time, and for a tree the
     drafter's path probabilities of the nodes it searched, best first (the first `proposed`
-    of them verified), and the accepted path's nodes. A
-    cycle several replies shared is recorded once per row it planned: the first row with
-    the cycle's time, the others with None (their acceptance alone, the cycle counted and
-    costed once)."""
+    of them verified), and the accepted path's nodes. A cycle several replies shared is
+    recorded once per row it planned: the first row with the cycle's time, the others with
+    None (their acceptance alone, the cycle counted and costed once)."""
 
     proposed: int
     accepted: int
