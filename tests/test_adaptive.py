@@ -1,7 +1,8 @@
 """Adaptive drafting: the block size chosen by measured cost settles near the best fixed size
 (plain decoding when drafting does not pay, the full block when it is nearly free), a tree's
-budget chosen per cycle from the drafter's confidence beats every fixed budget when confidence
-tells good cycles from bad ones, and neither ever changes the output."""
+budget chosen per cycle from the drafter's confidence in the tree before beats every fixed
+budget when confidence comes in stretches that tell good cycles from bad ones, and neither ever
+changes the output."""
 
 import random
 from types import SimpleNamespace
@@ -321,7 +322,8 @@ def test_seeded_sampling_adapts_by_default_and_stays_reproducible(loaded):
 # A tree cycle's budget. The synthetic drafter proposes one chain per cycle whose i-th node has
 # path probability confidence^i; the target accepts each next node with probability `truth`
 # (so a calibrated drafter has truth == confidence). Cycles verifying n positions cost
-# drafted(n); a cycle that skips the drafter costs 1 (a plain step).
+# drafted(n); a cycle that skips the drafter costs 1 (a plain step). A drafted cycle verifies
+# the first nodes of its chain, as many as the policy chose from the chain before.
 
 
 def drafted(n: int) -> float:  # this CPU: the drafter ~0.15 of a step, each position +7 %
@@ -336,21 +338,24 @@ def tree_cycle(rng: random.Random, confidence: float, truth: float, depth: int =
     return probabilities, accepted
 
 
-def simulate_tree(policy, kinds, cycles: int = 600, seed: int = 0):
-    """Tokens per unit cost over `cycles`, each of a (confidence, truth) drawn from `kinds`,
-    and the budgets chosen per kind (None: the drafter skipped)."""
+def simulate_tree(policy, kinds, cycles: int = 600, seed: int = 0, stay: float = 0.0):
+    """Tokens per unit cost over `cycles`, each of a (confidence, truth) drawn from `kinds`
+    (the cycle before's kind kept with probability `stay`: stretches of text), and the budgets
+    chosen per kind (None: the drafter skipped)."""
     rng = random.Random(seed)
     tokens = spent = 0.0
     chosen = {kind: [] for kind in kinds}
+    kind = rng.choice(kinds)
     for _ in range(cycles):
-        kind = rng.choice(kinds)
+        kind = kind if rng.random() < stay else rng.choice(kinds)
         probabilities, accepted = tree_cycle(rng, *kind)
-        if policy is None or not policy.plan().drafts:
+        plan = policy.plan()
+        if not plan.searched:
             budget, cost = None, 1.0
         else:
-            budget = policy.fit(probabilities)
+            budget = min(plan.drafts, len(probabilities))
             cost = drafted(budget + 1)
-            policy.record(Cycle(budget, min(accepted, budget), cost, probabilities[:budget]))
+            policy.record(Cycle(budget, min(accepted, budget), cost, probabilities))
         tokens += 1 + min(accepted, budget or 0)
         spent += cost
         chosen[kind].append(budget)
@@ -385,11 +390,11 @@ def test_tree_budget_grows_when_acceptance_is_high():
     assert None not in late and np.mean(late) >= 8
 
 
-def test_tree_budget_follows_each_cycles_confidence():
-    """Confident and unsure cycles mixed: big trees for the first, small ones for the second, which
-    no fixed budget can do."""
+def test_tree_budget_follows_stretches_of_confidence():
+    """Stretches of confident and of unsure cycles: big trees in the first, small ones in the
+    second, which no fixed budget can do."""
     kinds = [CONFIDENT, UNSURE]
-    rate, chosen = simulate_tree(AdaptiveTree(32), kinds, cycles=1000)
+    rate, chosen = simulate_tree(AdaptiveTree(32), kinds, cycles=1000, stay=0.9)
     best_fixed = max(fixed_tree_rate(kinds, b) for b in range(33))
     assert rate > 1.1 * best_fixed
     confident = [b for b in chosen[CONFIDENT][200:] if b is not None]
@@ -407,14 +412,63 @@ def test_tree_calibration_follows_an_overconfident_drafter():
 
 def test_tree_costs_are_measured_per_size_and_the_first_tree_is_the_largest():
     policy = AdaptiveTree(8)
-    assert policy.plan() == Plan(8, tree=True) and policy.fit([0.5] * 8) == 8
+    assert policy.plan() == Plan(8, tree=True, searched=8)
     policy.record(Cycle(8, 0, 2.0, [0.5] * 8))
     assert policy.seconds == {9: 2.0}
-    policy.plan()
-    assert policy.fit([0.5] * 8) == 0  # costed proportionally below 9: verify the root
-    policy.record(Cycle(0, 0, 1.0, []))
+    # costed proportionally below 9: verify the root of the largest tree searched
+    assert policy.plan() == Plan(0, tree=True, searched=8)
+    policy.record(Cycle(0, 0, 1.0, [0.5] * 8))
     assert policy.seconds == {9: 2.0, 1: 1.0}
     assert policy.plan() == Plan(0, tree=True)  # after the root alone was best, plain steps
+
+
+def test_tree_size_follows_the_tree_before():
+    """Each drafted cycle searches the largest tree and verifies as many of its nodes as the
+    last tree's path probabilities are worth; the calibration compares the drafts accepted
+    with the verified nodes' probabilities alone."""
+    confident, unsure = [0.95**i for i in range(1, 17)], [0.2**i for i in range(1, 17)]
+    policy = AdaptiveTree(16, min_probe_gap=0, max_probe_gap=0)  # no plain steps skipped
+    assert policy.plan() == Plan(16, tree=True, searched=16)  # nothing seen: the largest
+    policy.record(Cycle(16, 0, 1.6, unsure))
+    policy.seconds = {1: 1.0, 2: 1.2, 3: 1.25, 5: 1.3, 9: 1.4, 17: 1.6}
+    assert policy.plan() == Plan(0, tree=True, searched=16)  # after an unsure tree: the root
+    trees = [confident, unsure, confident, confident, unsure, unsure, confident]
+    sizes = []
+    for before in trees:
+        calibration = policy.accepted, policy.predicted
+        verified = sizes[-1] if sizes else 0
+        accepted = round(sum(before[:verified]))  # a calibrated drafter
+        policy.record(Cycle(verified, accepted, 1.2, before))
+        if verified:  # the verified nodes' probabilities alone are predicted
+            assert policy.predicted == pytest.approx(
+                policy.decay * calibration[1] + sum(before[:verified])
+            )
+        else:  # the root alone verified: nothing to calibrate
+            assert (policy.accepted, policy.predicted) == calibration
+        plan = policy.plan()
+        assert plan.tree and plan.searched == 16
+        sizes.append(plan.drafts)
+    after_confident = [b for tree, b in zip(trees, sizes) if tree is confident]
+    after_unsure = [b for tree, b in zip(trees, sizes) if tree is unsure]
+    assert min(after_confident) >= 8 and max(after_unsure) <= 1, sizes
+
+
+def test_rows_sharing_a_cycle_size_the_next_tree_together():
+    """Rows one policy plans in a shared cycle share the next size: from their trees' mean
+    path probabilities, the next cycle's trees replacing them."""
+    confident, unsure = [0.95**i for i in range(1, 17)], [0.2**i for i in range(1, 17)]
+
+    def next_size(*cycles: list[list[float]]) -> int:
+        policy = AdaptiveTree(16, min_probe_gap=0, max_probe_gap=0, rows=2)
+        policy.seconds = {1: 1.0, 2: 1.2, 3: 1.25, 5: 1.3, 9: 1.4, 17: 1.6}
+        for trees in cycles:  # the first row is timed, the others are not
+            for row, tree in enumerate(trees):
+                policy.record(Cycle(0, 0, None if row else 1.0, tree))
+        return policy.plan().drafts
+
+    mean = [(a + b) / 2 for a, b in zip(confident, unsure)]
+    assert next_size([unsure]) < next_size([confident, unsure]) == next_size([mean])
+    assert next_size([confident, unsure], [unsure]) == next_size([unsure])
 
 
 # Chains or trees each cycle (`AdaptiveStrategy`). The synthetic tree is `width` nodes per depth

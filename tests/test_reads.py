@@ -1,8 +1,8 @@
 """Device-to-host reads per cycle: a backend that runs ahead (Metal, CUDA) can queue the
 next cycle only while the host is not waiting on this one, so each cycle reads once: a
 tree is built on the device, from its root on the device (a plain step's token not yet
-read), and read with the target's choices (twice only where the policy fits each drafted
-tree to its drafter's confidence before verifying it)."""
+read), and read with the target's choices (with the probabilities of every node searched,
+which size an adaptive tree's next cycle)."""
 
 from collections.abc import Iterator
 
@@ -71,7 +71,7 @@ def test_the_read_counter_sees_reads(reads):
         (dict(tree_budget=4, prompt_lookup=False), 1),
         (dict(tree_budget=4, temperature=0.7), 1),  # the target's samples at the nodes
         (dict(), 1),  # the default: chains or trees, as measured
-        (dict(tree_budget=4, adaptive=True), 2),  # the tree's probabilities, to fit it
+        (dict(tree_budget=4, adaptive=True), 1),  # sized from the tree before, read with this
     ],
 )
 def test_each_cycle_reads_the_device_once(loaded, reads, setting, drafted_reads):

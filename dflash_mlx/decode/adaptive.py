@@ -3,8 +3,8 @@ either, chain or tree (`AdaptiveStrategy`, the library's default), by measured c
 
 Each is a policy (`plan.py`): `plan()` before a cycle says what it verifies (a `Plan`:
 so many draft tokens, as a chain or a tree; 0: a plain step), `record(Cycle)` after it says what
-it verified, accepted and cost. A tree policy also `fit`s each drafted tree to the
-nodes worth verifying, from the drafter's confidence in them.
+it verified, accepted and cost. `AdaptiveTree` sizes each tree from the drafter's confidence
+in the tree before, whose probabilities come back with that cycle's verdict.
 
 A cycle of block size n (the last token plus n - 1 drafts) commits on average
 E(n) = 1 + Σ_{j<n} a_1 ⋯ a_j tokens, where a_k is the rate at which draft k is
@@ -61,20 +61,23 @@ from ..models.cycle_costs import interpolated_cost
 @dataclass(frozen=True)
 class Plan:
     """The next cycle: `drafts` draft tokens (0: a plain step), as a chain or as a tree of up
-    to that many nodes."""
+    to that many nodes. A tree may be searched larger (`searched` nodes) than it is verified
+    (its first `drafts`): the probabilities of all its nodes come back with the verdict, for
+    the policy to size the next tree from, in the cycle's one read of the device."""
 
     drafts: int
     tree: bool = False
+    searched: int = 0  # a tree's nodes searched, where more than `drafts`
 
 
 @dataclass
 class Cycle:
     """A finished cycle, as a size policy learns from it: draft tokens verified, accepted
     (the leading ones of a chain; a tree's accepted path), wall time, and for a tree the
-    drafter's path probabilities of its verified nodes and the accepted path's nodes. A
-    cycle several replies shared is recorded once per row it planned: the first row with
-    the cycle's time, the others with None (their acceptance alone, the cycle counted and
-    costed once)."""
+    drafter's path probabilities of the nodes it searched, best first (the first `proposed`
+    of them verified), and the accepted path's nodes. A cycle several replies shared is
+    recorded once per row it planned: the first row with the cycle's time, the others with
+    None (their acceptance alone, the cycle counted and costed once)."""
 
     proposed: int
     accepted: int
@@ -279,26 +282,35 @@ class AdaptiveBlock:
 
 @dataclass
 class AdaptiveTree:
-    """Each tree cycle's budget from the drafter's confidence in that cycle's candidates.
+    """Each tree cycle's size from the drafter's confidence in the tree before it.
 
     Best-first (`tree.search`), a tree's nodes come in non-increasing path
     probability p_1 ≥ p_2 ≥ … under the drafter, and a node is accepted iff its
     whole path is the target's own choice, so a calibrated drafter's tree of the
     first b nodes would commit E(b) = 1 + s Σ_{i≤b} p_i tokens with s = 1. A
     drafter need not be calibrated: s is the decayed ratio of the drafts accepted
-    to those predicted over past trees.
+    to those predicted (the verified nodes' p_i) over past trees.
     With c(b) the running average wall time of cycles verifying b + 1 positions
     (interpolated as `AdaptiveBlock` does while unmeasured), the cycle verifies
     the b ≤ `max_budget` on `block_ladder` that maximises E(b) / c(b); b = 0
     verifies the root alone, a plain step.
+
+    The p_i are the last drafted tree's. A graph's shapes must be known on the host
+    when it is built, so a tree sized from its own probabilities would read them
+    before its verify: a second read of the device per cycle. Instead each drafted
+    cycle searches the largest tree, verifies its first b nodes, b chosen before the
+    cycle from the tree before it (the drafter's confidence runs in stretches of the
+    text), and the whole tree's probabilities come back with the verdict, in the
+    cycle's one read. With no tree seen yet a cycle verifies the largest tree (in
+    cycles of several rows, where each position costs more, one node); rows that
+    share a cycle and this policy share its b, from their trees' mean p_i.
 
     A plain step after the drafter's forward has paid for a forward it did not
     use, so once the root alone is best the next cycles skip the drafter: plain
     steps for `probe_gap` cycles, doubling (up to `max_probe_gap`) while it stays
     best. The drafted cycle after them is a probe: it verifies the best tree of
     at least one node, whatever E(b) says, so that s follows a drafter that
-    starts to help. The budget never changes the output. Fitting each tree reads its
-    probabilities before the verify: a second read of the device per drafted cycle.
+    starts to help. The size never changes the output.
     """
 
     max_budget: int  # the largest tree (draft tokens)
@@ -312,6 +324,7 @@ class AdaptiveTree:
     rows: int = 1  # the rows of the cycles it plans (several: a batch's shared cycles)
     timed = True  # costed by the clock
     sizes: list[int] = field(init=False)
+    seen: list[list[float]] = field(default_factory=list)  # the last drafted trees' p_i, by row
     probe_gap: int = 0
     skipping: int = 0  # plain steps left before the next drafted cycle
     drafting: bool = True  # whether the current cycle drafts
@@ -327,12 +340,11 @@ class AdaptiveTree:
         return "tree budget", self.max_budget
 
     def plan(self) -> Plan:
-        """The next cycle's tree: up to the largest, or the root alone (a plain step)."""
-        return Plan(self.max_budget if self.draft_next() else 0, True)
-
-    def fit(self, probabilities: list[float]) -> int:
-        """How many of a drafted tree's nodes (path probabilities, best first) to verify."""
-        return self.budget(probabilities)
+        """The next cycle's tree: the largest searched and its first b nodes verified (none:
+        the root alone), or a plain step."""
+        if not self.draft_next():
+            return Plan(0, True)
+        return Plan(self.budget(mean_probabilities(self.seen)), True, self.max_budget)
 
     def draft_next(self) -> bool:
         """Whether the next cycle drafts (else it is a plain step)."""
@@ -350,9 +362,10 @@ class AdaptiveTree:
         return out
 
     def budget(self, probabilities: list[float]) -> int:
-        """The drafted cycle's tree size for nodes of these path probabilities, best first."""
-        if not self.seconds:  # nothing measured yet: the largest tree, or the smallest first
-            return len(probabilities) if self.rows == 1 else min(len(probabilities), 1)
+        """The drafted cycle's tree size, after a tree of nodes of these path probabilities,
+        best first."""
+        if not (self.seconds and probabilities):  # nothing measured or seen yet: the largest
+            return self.max_budget if self.rows == 1 else min(self.max_budget, 1)  # or smallest
         expected = self.expected_tokens(probabilities)
         sizes = [n for n in self.sizes if n <= len(expected)]
         rate = {n: expected[n - 1] / shared_cost(self.seconds, n, self.rows) for n in sizes}
@@ -371,15 +384,24 @@ class AdaptiveTree:
         return False
 
     def record(self, cycle: Cycle) -> None:
-        """One finished tree cycle."""
+        """One finished tree cycle: its verified nodes calibrate s, all it searched size the
+        next tree."""
         if not self.drafting:
             return  # a plain step: the drafted cycles' costs are what the choice compares
         probabilities = cycle.probabilities or []
-        if probabilities:  # only a tree tells the drafter's calibration
+        if probabilities:  # a cycle's first row (timed) replaces the trees seen; others add
+            self.seen = [*(self.seen if cycle.seconds is None else []), probabilities]
+        if probabilities and cycle.proposed:  # only a verified tree tells the calibration
             self.accepted = self.decay * self.accepted + cycle.accepted
-            self.predicted = self.decay * self.predicted + sum(probabilities)
+            self.predicted = self.decay * self.predicted + sum(probabilities[: cycle.proposed])
         if cycle.seconds is not None:
             running_average(self.seconds, cycle.proposed + 1, cycle.seconds, self.smoothing)
+
+
+def mean_probabilities(trees: list[list[float]]) -> list[float]:
+    """Node by node, the mean path probability of several rows' trees (0 past a tree's end)."""
+    nodes = max(map(len, trees), default=0)
+    return [sum(tree[i] for tree in trees if i < len(tree)) / len(trees) for i in range(nodes)]
 
 
 @dataclass
@@ -538,10 +560,6 @@ class AdaptiveStrategy:
     def trees_measured(self) -> bool:
         """Whether it has learned from a verified tree."""
         return any(w for p, w in self.weight.items() if p.tree)
-
-    def fit(self, probabilities: list[float]) -> int:
-        """A planned tree is verified whole."""
-        return len(probabilities)
 
     def drop_trees(self) -> bool:
         """Plan chains only from now on, where the target refused a tree forward before any

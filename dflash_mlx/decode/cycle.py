@@ -298,16 +298,18 @@ class ChainRow:
 @dataclass(eq=False)
 class TreeRow:
     """A reply's tree in a launched cycle: its root, the cache offset it starts at, the tree
-    on the device (drafted, or the root alone) and, once read, on the host (`read`), and the
-    target's logits and choices at its nodes (no choices where they are made during the
-    walk). It commits the accepted path and the target's token after it, and keeps the
-    path's positions (`kept`)."""
+    it verifies on the device (drafted, or the root alone) and, once read, on the host
+    (`read`), the tree searched (the verified one is its first nodes), and the target's
+    logits and choices at its nodes (no choices where they are made during the walk). It
+    commits the accepted path and the target's token after it, and keeps the path's
+    positions (`kept`)."""
 
     reply: Reply
     root: Root
     policy: Policy
     plan: Plan
     tree: Drafted
+    searched: Drafted
     start: int
     drafted: bool = False  # whether the proposer drafted it (else the root alone)
     logits: mx.array | None = None
@@ -321,33 +323,35 @@ class TreeRow:
     def draft(
         cls, launching: list[tuple[RowRequest, Plan, list[int] | None]], shared: bool
     ) -> list[TreeRow]:
-        """The rows of a cycle's trees (request, plan, context): up to each plan's budget of
-        nodes, at most its reply's depth deep (and no deeper than it has tokens left), fitted
-        by its policy (which reads the tree only if it fits each to its drafter's
-        confidence); those drafting with one drafter in one drafter forward
-        (`proposers.trees`). A tree of depth 0 is the root alone, not drafted."""
+        """The rows of a cycle's trees (request, plan, context): each searched to its plan's
+        nodes (`Plan.searched` where more than its drafts), at most its reply's depth deep (and
+        no deeper than it has tokens left), and the first drafts + 1 of them verified; those
+        drafting with one drafter in one drafter forward (`proposers.trees`). Nothing is read
+        here: the sizes are the plans', and the whole tree searched is read with the verdict
+        (its probabilities size an adaptive policy's next tree). A tree of depth 0 is the root
+        alone, not drafted."""
         starts, drafting = [], {}
         for i, (request, plan, _) in enumerate(launching):
             state = request.reply.state
             limit = state.target.forward_limit(state.cache, request.reply.remaining) - 1
-            depth = min(request.reply.plan.depth, limit, plan.drafts)
+            nodes = max(plan.drafts, plan.searched)
+            depth = min(request.reply.plan.depth, limit, nodes)
             starts.append(state.cache[0].offset)
             if depth > 0:
                 scores = state.verifier.tree_scores if state.verifier.coupled else None
                 root = request.root
                 drafting[i] = proposers.TreeRequest(
-                    state.proposer, root.array, depth, plan.drafts, scores, root.value is not None
+                    state.proposer, root.array, depth, nodes, scores, root.value is not None
                 )
         drafted = dict(zip(drafting, proposers.trees(list(drafting.values()))))
         rows = []
         for i, (request, plan, _) in enumerate(launching):
-            tree = drafted.get(i)
-            if tree is None:
-                tree = Drafted.alone(request.root.array)
-            else:
-                tree = tree.first(request.policy.fit(tree.probabilities()) + 1)
+            searched = drafted.get(i)
+            if searched is None:
+                searched = Drafted.alone(request.root.array)
+            tree = searched.first(plan.drafts + 1)
             reply, root, policy = request.reply, request.root, request.policy
-            rows.append(cls(reply, root, policy, plan, tree, starts[i], i in drafted))
+            rows.append(cls(reply, root, policy, plan, tree, searched, starts[i], i in drafted))
         return rows
 
     @property
@@ -381,8 +385,9 @@ class TreeRow:
             self.choices = verifier.choices(logits, positions, self.tree.depths)
 
     def reads(self) -> list[mx.array]:
-        """What committing it reads from the device: its tree and the target's choices."""
-        return self.tree.parts() + ([] if self.choices is None else [self.choices])
+        """What committing it reads from the device: the tree searched (the verified one is its
+        first nodes) and the target's choices."""
+        return self.searched.parts() + ([] if self.choices is None else [self.choices])
 
     def computed(self) -> list[mx.array]:
         """What the device computes for it ahead of `settle`: its tree and choices, or its
@@ -392,16 +397,18 @@ class TreeRow:
     def commit(self, values: list[np.ndarray], positions: int, cost: Cost) -> Commit:
         """Book its accepted path: everything off it leaves the target's caches, its tokens
         join the reply's, and its policy records what it verified, accepted and cost (`cost()`,
-        once it is booked: the walk included)."""
+        once it is booked: the walk included) and the path probabilities of every node
+        searched."""
         tree, choices = (values, None) if self.choices is None else (values[:-1], values[-1])
-        self.read = Drafted.of(tree)
+        searched = Drafted.of(tree)
+        self.read = searched.first(self.size)
         commit, path = self._walk(None if choices is None else choices.tolist())
         state = self.reply.state
         keep_path(state.cache, self.start, path)
         state.tokens.extend([self.read.tokens[node] for node in path])
         self.kept = path
-        probabilities = self.read.probabilities()
-        self.policy.record(Cycle(len(self.read) - 1, len(path) - 1, cost(), probabilities, path))
+        probabilities = searched.probabilities()
+        self.policy.record(Cycle(self.size - 1, len(path) - 1, cost(), probabilities, path))
         return commit
 
     def _walk(self, choices: list[int] | None) -> tuple[Commit, list[int]]:

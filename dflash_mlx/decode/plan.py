@@ -1,10 +1,10 @@
 """What each cycle of a reply verifies, resolved once from its settings: a `DecodingPlan`.
 
 `resolve` is where policies are made. A policy answers `plan()` before a cycle (a `Plan`:
-so many drafts, as a chain or a tree), `fit`s a drafted tree to the nodes worth verifying,
-and `record`s what the cycle verified, accepted and cost. A fixed block size or tree budget
-is a `FixedPlan`; the adaptive ones (`adaptive.py`) choose by measured cost: `AdaptiveBlock`
-chains, `AdaptiveTree` tree sizes, and `AdaptiveStrategy`, the library's default, either.
+so many drafts, as a chain or a tree) and `record`s what the cycle verified, accepted and
+cost. A fixed block size or tree budget is a `FixedPlan`; the adaptive ones (`adaptive.py`)
+choose by measured cost: `AdaptiveBlock` chains, `AdaptiveTree` tree sizes, and
+`AdaptiveStrategy`, the library's default, either.
 
 Cycles shared by several replies cost more per position than a reply's own, so they are
 planned by a policy of the batch for that many rows (`resolve_width`, once per width by
@@ -30,9 +30,6 @@ class Policy(Protocol):
     def plan(self) -> Plan:
         """What the next cycle verifies."""
 
-    def fit(self, probabilities: list[float]) -> int:
-        """How many of a drafted tree's nodes (path probabilities, best first) to verify."""
-
     def record(self, cycle: Cycle) -> None:
         """One finished cycle."""
 
@@ -50,9 +47,6 @@ class FixedPlan:
 
     def plan(self) -> Plan:
         return self.fixed
-
-    def fit(self, probabilities: list[float]) -> int:
-        return len(probabilities)
 
     def record(self, cycle: Cycle) -> None:
         pass

@@ -21,7 +21,7 @@ host's `Tree`) gives the longest accepted path.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -60,6 +60,14 @@ class Tree:
     def probabilities(self) -> list[float]:
         """Each node's path probability under the drafter, the root's left out."""
         return [math.exp(logprob) for logprob in self.logprobs[1:]]
+
+    def first(self, count: int) -> Tree:
+        """The tree of its first `count` nodes (parents come first: a tree again)."""
+        if count >= len(self):
+            return self
+        chain = [node if node < count else -1 for node in self.chain]
+        cut = (self.tokens, self.parents, self.depths, self.logprobs)
+        return Tree(*(values[:count] for values in cut), chain)
 
     def children(self) -> list[dict[int, int]]:
         """For each node: token -> child node."""
@@ -107,10 +115,6 @@ class Drafted:
             self.deepest,
         )
 
-    def probabilities(self) -> Probabilities:
-        """Each node's path probability, the root's left out, read only when asked for."""
-        return Probabilities(self.logprobs[1:])
-
     def parts(self) -> list[mx.array]:
         """What reading it takes, as int32 (the log-probabilities' bits)."""
         bits = mx.view(self.logprobs, mx.int32)
@@ -126,23 +130,6 @@ class Drafted:
     def read(self) -> Tree:
         """The host's tree, in one read."""
         return self.of(read_together(self.parts(), mx.int32))
-
-
-class Probabilities(Sequence[float]):
-    """A drafted tree's path probabilities, best first: their count known on the host, their
-    values read from the device when first asked for. A policy that fits each tree to its
-    drafter's confidence pays that read before the verify; one that verifies it whole, none."""
-
-    def __init__(self, logprobs: mx.array):
-        self.logprobs, self.values = logprobs, None
-
-    def __len__(self) -> int:
-        return self.logprobs.size
-
-    def __getitem__(self, index):
-        if self.values is None:
-            self.values = np.exp(np.array(self.logprobs, dtype=np.float64)).tolist()
-        return self.values[index]
 
 
 def read_together(arrays: list[mx.array], dtype: mx.Dtype) -> list[np.ndarray]:
