@@ -48,6 +48,23 @@ def test_products_with_few_rows_match_float64(rows, shape):
     assert rel_error(mx.array(w) @ mx.array(x).T, want.T) < 1e-5
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("shape", [(1536, 576), (300, 37), (4, 64), (3, 100)])
+def test_every_row_of_a_product_has_the_bits_it_has_alone(rows, shape):
+    """A verify forward's products against a decoding step's: each row of x @ W.T (and of
+    W @ x.T) bit for bit what that row alone gives, at every row count, odd K (lane
+    remainders), fewer rows of W than of x (a MoE gate's 4 experts) and square products.
+    Greedy output equal to mlx-lm's rests on it where two tokens nearly tie."""
+    rng = np.random.default_rng(rows + shape[0])
+    x = mx.array(rng.standard_normal((rows, shape[1])).astype(np.float32))
+    w = mx.array(rng.standard_normal(shape).astype(np.float32))
+    alone = mx.concatenate([x[i : i + 1] @ w.T for i in range(rows)])
+    assert mx.array_equal(x @ w.T, alone).item()
+    alone = mx.concatenate([w @ x[i : i + 1].T for i in range(rows)], axis=1)
+    assert mx.array_equal(w @ x.T, alone).item()
+
+
 def test_scaled_accumulating_batched_and_strided_products():
     """addmm's alpha and beta (C is read only when beta is not 0), a batch of products
     (attention's scores: few queries against many keys per head), a sliced operand."""
@@ -142,7 +159,8 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel(tmp_path):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 vector extensions")
 def test_the_kernel_built_for_avx2_alone_matches_float64(tmp_path):
     """The kernel as an x86 machine without AVX-512 builds it (8 lanes: dot products for 1-4
-    and 17-32 rows, packed columns for 5-16), loaded on its own and called directly."""
+    and 17-32 rows, packed columns for 5-16), loaded on its own and called directly: float64's
+    result, and each row's bits those of that row alone."""
     path = tmp_path / "avx2.so"
     blas._compile(shutil.which("cc"), [*blas.KERNEL_FLAGS, "-mno-avx512f"], path)
     kernel = ctypes.CDLL(str(path))
@@ -158,8 +176,12 @@ def test_the_kernel_built_for_avx2_alone_matches_float64(tmp_path):
             b = rng.standard_normal((n, k)).astype(np.float32)
             c = rng.standard_normal((rows, n)).astype(np.float32)
             want = 0.5 * (a.astype(np.float64) @ b.T) + 2.0 * c
+            alone = [c[i : i + 1].copy() for i in range(rows)]
+            for i, row in enumerate(alone):
+                kernel.cblas_sgemm(101, 111, 112, 1, n, k, 0.5, a[i : i + 1], k, b, k, 2.0, row, n)
             kernel.cblas_sgemm(101, 111, 112, rows, n, k, 0.5, a, k, b, k, 2.0, c, n)
             assert np.abs(c - want).max() / np.abs(want).max() < 1e-5, (rows, n, k)
+            assert np.array_equal(c, np.concatenate(alone)), (rows, n, k)  # bit for bit
 
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

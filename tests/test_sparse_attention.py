@@ -62,8 +62,8 @@ LAYER_PRODUCTS, TARGET_PRODUCTS = [(4, 48)], [(4, 48), (16, 48), (4, 4)]
 
 def _rows_alike(products: list[tuple[int, int]]) -> bool:
     """Whether this machine's matrix products give each of several rows the bits of that row
-    alone, as MLX's bundled BLAS does (not the few-row kernel in front of the system's from 5
-    rows on, nor OpenBLAS, which takes a product of as many rows as columns)."""
+    alone, as MLX's bundled BLAS and the few-row kernel do (not OpenBLAS alone, which takes a
+    product of as many rows as columns otherwise)."""
     key = mx.random.key(2)
     for rows, columns in products:
         x = mx.random.normal((1, rows, 64), key=key)

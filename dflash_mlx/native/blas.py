@@ -53,7 +53,7 @@ CANDIDATES = (
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("few_rows_sgemm.c")
-KERNEL_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+KERNEL_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
 
 _active: str | None = None
 _reason = "not attempted"

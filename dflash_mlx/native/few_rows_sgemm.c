@@ -8,11 +8,11 @@
  * Here every output is a dot product of a row of the small operand with a row of the large one,
  * read where they lie: W is streamed once, each of its rows used for all the few rows while it
  * is in cache, over OpenMP threads. With AVX-512 or AVX2, from 5 rows on (to 32 or 16), the
- * few rows are first packed as columns so that no dot product needs a sum across lanes
- * (`column_dots`). Every other call goes to the BLAS it was bound over (`dflash_set_fallback`),
- * as do transposed-left, column-major and K = 0 calls.
- * Built and loaded by blas.py. Sums are in a different order than OpenBLAS's (float32 results
- * agree to ~1e-7 relative).
+ * few rows are first packed as columns (`column_dots`). Every other call goes to the BLAS it
+ * was bound over (`dflash_set_fallback`), as do transposed-left, column-major and K = 0 calls.
+ * Every output is summed in one order (`tile`'s), whatever the other rows: each row of a
+ * product has the bits it has alone. OpenBLAS's order differs (float32 results agree to ~1e-7
+ * relative). Built and loaded by blas.py, with multiply-adds fused everywhere alike.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -87,7 +87,8 @@ static inline __attribute__((always_inline)) void tile(int R, int J, int K, cons
   for (int i = 0; i < R; i++)
     for (int j = 0; j < J; j++) {
       float s = sum_lanes(acc[i][j]);
-      for (int t = k; t < K; t++) s += small[(long)i * lds + t] * big[(long)j * ldb + t];
+      for (int t = k; t < K; t++) /* fused as written: a compiler may fuse `s += a * b` or not */
+        s = __builtin_fmaf(small[(long)i * lds + t], big[(long)j * ldb + t], s);
       float *o = out + i * si + j * sj;
       *o = beta == 0.0f ? alpha * s : alpha * s + beta * *o; /* beta 0: out is not read */
     }
@@ -116,32 +117,91 @@ static long product_kind(int columns, int S, int B, int K) {
 #define COLUMNS
 /* From 5 rows of the small operand on (a verify forward's, a tree's), up to 2 * LANES: no sums
  * across lanes. The few rows are packed as columns, `packed[G * k + g]` holding element k of
- * rows LANES * g.. in its lanes (zeros past the last row), and each element of BJ rows of big,
- * broadcast, multiplies its column: one multiply-add per element of big, at ~80 % of peak
- * where the dot products above reach ~55 %. Two sets of accumulators keep 2 * BJ
- * multiply-adds in flight: with one vector of rows (G = 1) even and odd k, with two, one each
- * (2 * BJ + 2 vectors: 8 rows of big with AVX-512's 32 registers, 4 with AVX2's 16). A
- * 16-row verify forward's products got ~40 % cheaper (benchmarks/README.md). */
-#define BJ (LANES == 16 ? 8 : 4)
+ * rows LANES * g.. in its lanes (zeros past the last row), and each element of a row of big,
+ * broadcast, multiplies its column: a 16-row verify forward's products cost ~40 % less than as
+ * dot products (benchmarks/README.md).
+ * Each output is summed exactly as `tile` sums it, so that every row of a product has the bits
+ * it has alone, a verify forward's rows those of decoding steps (greedy output equal to
+ * mlx-lm's rests on it): LANES partial sums, element k into sum k % LANES, added up as
+ * `sum_lanes` adds lanes, then the tail in order. The LANES sums of BJ rows of big by G vectors
+ * of rows take more registers than there are, so they run CN at a time (`column_parts`), each
+ * pass reading the BJ rows again from L1. */
+#define BJ 3                         /* rows of big at a time */
+#define CN1 (LANES == 16 ? 8 : 4)    /* partial sums at a time, one vector of rows (G = 1) */
+#define CN2 (LANES == 16 ? 4 : 2)    /* two (G = 2): BJ * G * CN accumulators, 24 or 12 */
 
-static inline __attribute__((always_inline)) void columns(int G, int J, int K, const vec *packed,
-                                                          const float *big, int ldb,
-                                                          vec acc[2][BJ], const float *next) {
-  const float *row[BJ];
-  for (int j = 0; j < BJ; j++) {
-    acc[0][j] = acc[1][j] = (vec){0};
-    row[j] = big + (long)(j < J ? j : 0) * ldb;
+/* Where element k of the g-th vector of rows lies in `packed`: in the order the passes read
+ * them, pass by pass (sums c0..c0+CN, chunk by chunk of LANES elements), then the tail. */
+static long column_index(int G, int K, int k, int g) {
+  int K8 = K - K % LANES, CN = G == 1 ? CN1 : CN2, l = k % LANES;
+  if (k >= K8) return (long)G * k + g;
+  return ((long)(l - l % CN) * (K8 / LANES) + (long)k / LANES * CN + l % CN) * G + g;
+}
+
+/* part[j][g][c0..c0+CN) += those partial sums of J (<= BJ) rows of big over K8 elements, whose
+ * columns this pass reads in order from `pass`; with `ahead`, the rows that far on are
+ * prefetched as these are read. */
+static inline __attribute__((always_inline)) void column_parts(int G, int CN, int J, int c0,
+                                                               int K8, const vec *pass,
+                                                               const float *const *row,
+                                                               vec part[BJ][2][LANES],
+                                                               long ahead) {
+  vec acc[BJ][2][LANES / 2];
+  for (int j = 0; j < J; j++)
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < CN; c++) acc[j][g][c] = part[j][g][c0 + c];
+  for (int k = 0; k < K8; k += LANES, pass += CN * G) {
+    if (ahead && !(k & 15))
+      for (int j = 0; j < J; j++) __builtin_prefetch(row[j] + ahead + k, 0, 0);
+#pragma GCC unroll 16
+    for (int c = 0; c < CN; c++) {
+      /* in registers: each loaded once for the BJ rows, not BJ times (not an array, which
+         GCC kept a copy of on the stack) */
+      vec a0 = pass[G * c], a1 = G == 2 ? pass[G * c + 1] : a0;
+      __asm__("" : "+v"(a0), "+v"(a1));
+#pragma GCC unroll 4
+      for (int j = 0; j < J; j++) {
+        float b = row[j][k + c0 + c];
+        acc[j][0][c] += b * a0;
+        if (G == 2) acc[j][1][c] += b * a1;
+      }
+    }
   }
-  int step = G == 1 ? 2 : 1, k = 0;
-  for (; k + step <= K; k += step) {
-    vec a = packed[G * k], b = packed[G * k + 1];
-    if (next && (k & 15) < step)
-      for (int j = 0; j < J; j++) __builtin_prefetch(next + (long)j * ldb + k, 0, 0);
-    for (int j = 0; j < J; j++) acc[0][j] += row[j][k] * a;
-    for (int j = 0; j < J; j++) acc[1][j] += row[j][k + step - 1] * b;
+  for (int j = 0; j < J; j++)
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < CN; c++) part[j][g][c0 + c] = acc[j][g][c];
+}
+
+/* sums[j][g]: J (<= BJ) rows of big dotted with the G vectors of packed rows. */
+static inline __attribute__((always_inline)) void column_tile(int G, int J, int K,
+                                                              const vec *packed,
+                                                              const float *const *row,
+                                                              vec sums[BJ][2], long ahead) {
+  vec part[BJ][2][LANES];
+  for (int j = 0; j < J; j++)
+    for (int g = 0; g < G; g++)
+      for (int l = 0; l < LANES; l++) part[j][g][l] = (vec){0};
+  int K8 = K - K % LANES, CN = G == 1 ? CN1 : CN2;
+  for (int c0 = 0; c0 < LANES; c0 += CN) {
+    const vec *pass = packed + (long)c0 * (K8 / LANES) * G;
+    if (J == BJ && G == 1)
+      column_parts(1, CN1, BJ, c0, K8, pass, row, part, c0 ? 0 : ahead);
+    else if (J == BJ)
+      column_parts(2, CN2, BJ, c0, K8, pass, row, part, c0 ? 0 : ahead);
+    else
+      column_parts(G, CN, J, c0, K8, pass, row, part, 0);
   }
-  for (; k < K; k++) /* the last of an odd K, G = 1 */
-    for (int j = 0; j < J; j++) acc[0][j] += row[j][k] * packed[k];
+  for (int j = 0; j < J; j++)
+    for (int g = 0; g < G; g++) {
+      vec four[4];
+      for (int m = 0; m < 4; m++) four[m] = (vec){0} + part[j][g][m];
+      for (int l = 4; l < LANES; l += 4)
+        for (int m = 0; m < 4; m++) four[m] += part[j][g][l + m];
+      vec s = (four[0] + four[2]) + (four[1] + four[3]);
+      for (int k = K8; k < K; k++) /* the tail as `tile` takes it */
+        for (int l = 0; l < LANES; l++) s[l] = __builtin_fmaf(row[j][k], packed[G * k + g][l], s[l]);
+      sums[j][g] = s;
+    }
 }
 
 /* Every row of `small` (5 <= S <= 2 * LANES) dotted with every row of `big` (B rows), K long;
@@ -155,25 +215,21 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
   float *lanes = (float *)packed;
   for (int i = 0; i < S; i++)
     for (int k = 0; k < K; k++)
-      lanes[((long)G * k + i / LANES) * LANES + i % LANES] = small[(long)i * lds + k];
+      lanes[column_index(G, K, k, i / LANES) * LANES + i % LANES] = small[(long)i * lds + k];
   threads_choice choice;
   int tiles = (B + BJ - 1) / BJ;
   int threads = threads_for(product_kind(1, S, B, K), most_threads(B, K), (double)B * K, &choice);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < tiles; t++) {
     int j0 = BJ * t, J = B - j0 < BJ ? B - j0 : BJ;
-    const float *b = big + (long)j0 * ldb, *next = t + 1 < tiles ? b + (long)BJ * ldb : 0;
-    vec acc[2][BJ];
-    if (J == BJ && G == 1)
-      columns(1, BJ, K, packed, b, ldb, acc, next);
-    else if (J == BJ)
-      columns(2, BJ, K, packed, b, ldb, acc, next);
-    else
-      columns(G, J, K, packed, b, ldb, acc, 0);
+    const float *row[BJ];
+    for (int j = 0; j < BJ; j++) row[j] = big + (long)(j0 + (j < J ? j : 0)) * ldb;
+    vec sums[BJ][2];
+    column_tile(G, J, K, packed, row, sums, t + 1 < tiles ? (long)BJ * ldb : 0);
     for (int j = 0; j < J; j++)
       for (int i = 0; i < S; i++) {
-        float s = G == 1 ? acc[0][j][i] + acc[1][j][i] : acc[i / LANES][j][i % LANES];
         float *o = out + i * si + (j0 + j) * sj;
+        float s = sums[j][i / LANES][i % LANES];
         *o = beta == 0.0f ? alpha * s : alpha * s + beta * *o;
       }
   }
@@ -224,7 +280,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
   /* C = A B^T, row-major: C[i][j] = A[i] . B[j] */
   if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && K > 0) {
-    if (M <= MAX_ROWS && N > M) {
+    if (M <= MAX_ROWS && N >= M) {
       dots(M, N, K, A, lda, B, ldb, alpha, beta, C, ldc, 1);
       return;
     }
