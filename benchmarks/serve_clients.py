@@ -243,7 +243,7 @@ def server_commands(args: argparse.Namespace, model: Path, ports: dict[str, int]
     def dflash(name: str) -> list[str]:
         return [
             *(sys.executable, "-m", "dflash_mlx", "serve", "--model", str(model)),
-            *("--draft", args.draft),
+            *(("--no-draft",) if args.draft == "none" else ("--draft", args.draft)),
             *(("--tree-budget", str(args.tree_budget)) if args.tree_budget else ()),
             *("--port", str(ports[name]), "--max-queue", str(most), "--log-level", "warning"),
         ]
@@ -276,7 +276,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16, help="the suite's first N prompts")
     parser.add_argument("--model", type=Path, help="model dir (default: SmolLM2 in float32)")
-    parser.add_argument("--draft", default=str(SHIPPED_DRAFTER))
+    parser.add_argument(
+        "--draft",
+        default=str(SHIPPED_DRAFTER),
+        help="drafter dir, mtp, or none (plain steps through the same loop)",
+    )
     parser.add_argument(
         "--tree-budget",
         type=int,
