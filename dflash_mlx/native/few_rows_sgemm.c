@@ -43,7 +43,6 @@ void dflash_set_fallback(sgemm_fn f) { fallback = f; }
 #define TILE 2
 #endif
 typedef float vec __attribute__((vector_size(LANES * 4)));
-typedef float vec4 __attribute__((vector_size(16)));
 
 static inline vec load(const float *p) {
   vec v;
@@ -51,14 +50,19 @@ static inline vec load(const float *p) {
   return v;
 }
 
-static inline float sum_lanes(vec v) {
-  vec4 s = {0, 0, 0, 0}, part;
-  for (int i = 0; i < LANES; i += 4) {
-    memcpy(&part, (const char *)&v + 4 * i, sizeof part);
-    s += part;
-  }
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
+/* The order in which an output's LANES partial sums (`parts`, of type T: floats, or vectors
+ * adding lane by lane) are added up, one definition for every kernel path: by fours from
+ * zero, then the four pairwise. */
+#define ADD_PARTS(T, parts)                                                                   \
+  ({                                                                                          \
+    T four_[4];                                                                               \
+    for (int m_ = 0; m_ < 4; m_++) four_[m_] = (T){0} + (parts)[m_];                         \
+    for (int l_ = 4; l_ < LANES; l_ += 4)                                                     \
+      for (int m_ = 0; m_ < 4; m_++) four_[m_] += (parts)[l_ + m_];                           \
+    (four_[0] + four_[2]) + (four_[1] + four_[3]);                                            \
+  })
+
+static inline float sum_lanes(vec v) { return ADD_PARTS(float, v); }
 
 /* out[i * si + j * sj] = alpha * (small[i] . big[j]) (+ beta * out) for i < R, j < J (<= 4).
  * Inlined with constant R and J, the accumulators stay in registers. `next` is the following
@@ -130,14 +134,6 @@ static long product_kind(int columns, int S, int B, int K) {
 #define CN1 (LANES == 16 ? 8 : 4)    /* partial sums at a time, one vector of rows (G = 1) */
 #define CN2 (LANES == 16 ? 4 : 2)    /* two (G = 2): BJ * G * CN accumulators, 24 or 12 */
 
-/* Where element k of the g-th vector of rows lies in `packed`: in the order the passes read
- * them, pass by pass (sums c0..c0+CN, chunk by chunk of LANES elements), then the tail. */
-static long column_index(int G, int K, int k, int g) {
-  int K8 = K - K % LANES, CN = G == 1 ? CN1 : CN2, l = k % LANES;
-  if (k >= K8) return (long)G * k + g;
-  return ((long)(l - l % CN) * (K8 / LANES) + (long)k / LANES * CN + l % CN) * G + g;
-}
-
 /* part[j][g][c0..c0+CN) += those partial sums of J (<= BJ) rows of big over K8 elements, whose
  * columns this pass reads in order from `pass`; with `ahead`, the rows that far on are
  * prefetched as these are read. */
@@ -193,15 +189,18 @@ static inline __attribute__((always_inline)) void column_tile(int G, int J, int 
   }
   for (int j = 0; j < J; j++)
     for (int g = 0; g < G; g++) {
-      vec four[4];
-      for (int m = 0; m < 4; m++) four[m] = (vec){0} + part[j][g][m];
-      for (int l = 4; l < LANES; l += 4)
-        for (int m = 0; m < 4; m++) four[m] += part[j][g][l + m];
-      vec s = (four[0] + four[2]) + (four[1] + four[3]);
+      vec s = ADD_PARTS(vec, part[j][g]);
       for (int k = K8; k < K; k++) /* the tail as `tile` takes it */
         for (int l = 0; l < LANES; l++) s[l] = __builtin_fmaf(row[j][k], packed[G * k + g][l], s[l]);
       sums[j][g] = s;
     }
+}
+
+/* Element k of the S rows of `small` into the G vectors at `lane` (zeros past row S); where
+ * the next ones go. */
+static float *pack_column(int S, int G, int k, const float *small, int lds, float *lane) {
+  for (int i = 0; i < G * LANES; i++) *lane++ = i < S ? small[(long)i * lds + k] : 0.0f;
+  return lane;
 }
 
 /* Every row of `small` (5 <= S <= 2 * LANES) dotted with every row of `big` (B rows), K long;
@@ -211,11 +210,15 @@ static int column_dots(int S, int B, int K, const float *small, int lds, const f
   int G = S > LANES ? 2 : 1;
   vec *packed = aligned_alloc(64, (size_t)K * G * sizeof(vec));
   if (!packed) return 0;
-  memset(packed, 0, (size_t)K * G * sizeof(vec));
-  float *lanes = (float *)packed;
-  for (int i = 0; i < S; i++)
-    for (int k = 0; k < K; k++)
-      lanes[column_index(G, K, k, i / LANES) * LANES + i % LANES] = small[(long)i * lds + k];
+  /* in the order the passes read them: pass by pass (sums c0..c0+CN), chunk by chunk of LANES
+   * elements, then the tail; zeros past the last row */
+  int K8 = K - K % LANES, CN = G == 1 ? CN1 : CN2;
+  float *lane = (float *)packed;
+  for (int c0 = 0; c0 < LANES; c0 += CN)
+    for (int k0 = 0; k0 < K8; k0 += LANES)
+      for (int k = k0 + c0; k < k0 + c0 + CN; k++)
+        lane = pack_column(S, G, k, small, lds, lane);
+  for (int k = K8; k < K; k++) lane = pack_column(S, G, k, small, lds, lane);
   threads_choice choice;
   int tiles = (B + BJ - 1) / BJ;
   int threads = threads_for(product_kind(1, S, B, K), most_threads(B, K), (double)B * K, &choice);
