@@ -79,6 +79,30 @@ def test_a_request_failing_in_the_worker_fails_alone(loaded):
         assert completion(port, PROMPTS[3], 6) == greedy_text(loaded, PROMPTS[3], 6, chat=False)[0]
 
 
+def test_a_waiting_request_joins_the_cycle_after_a_reply_ends(loaded):
+    """A reply that ends frees its place at once: the request waiting for it is prefilled in
+    the batch's next cycle, not one later (the others decoding at a narrower width)."""
+    model, tokenizer, draft = loaded("llama-tied-gqa")
+    worker = Worker(model, tokenizer, draft, GenerationSettings(max_tokens=24), max_batch=2)
+    batch, cycles = worker.batch, []  # per cycle: (replies joining at its start, replies ended)
+    run_cycle = batch._cycle
+
+    def logged() -> None:
+        joining, before = len(batch.joining), set(map(id, batch.replies + batch.joining))
+        run_cycle()
+        cycles.append((joining, len(before - set(map(id, batch.replies)))))
+
+    batch._cycle = logged
+    # whichever two start, the first to end leaves the other decoding
+    requests = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, (3, 12, 24))]
+    with serving(worker) as port:
+        texts = burst(worker, port, requests)
+    expected = [greedy_text(loaded, r["prompt"], r["max_tokens"], chat=False)[0] for r in requests]
+    assert texts == expected
+    first_end = next(i for i, (_, ended) in enumerate(cycles) if ended)
+    assert cycles[0][0] == 2 and cycles[first_end + 1][0] == 1, cycles
+
+
 def burst(worker: Worker, port: int, requests: list[dict], send=completion) -> list:
     """`requests` sent together (by `send`) once the worker is held busy, so that all of them
     wait and then start in one batch."""

@@ -245,6 +245,11 @@ class Worker:
                 self.recorder.add(job.prompt, running.reply, response.finish_reason)
         if running.stop.is_set() and response.finish_reason is None:
             log.info("client gone: stopped after %d tokens", response.generation_tokens)
+        if response.finish_reason is not None:
+            # ended now, not at the next turn (maybe a cycle later): its client's next
+            # request can join the batch's next cycle
+            self._end(running)
+            return False
         return True
 
     def _fail(self, running: Running, exc: Exception) -> None:
