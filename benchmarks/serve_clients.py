@@ -44,7 +44,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from dflash_mlx.cli.bench import load_prompts
-from dflash_mlx.cli.demo import DEMO_TREE_BUDGET, SHIPPED_DRAFTER
+from dflash_mlx.cli.demo import SHIPPED_DRAFTER
 from dflash_mlx.models.gguf import SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from dflash_mlx.paths import cache_dir
 
@@ -284,8 +284,8 @@ def main() -> None:
     parser.add_argument(
         "--tree-budget",
         type=int,
-        default=DEMO_TREE_BUDGET,
-        help="dflash-mlx serve's (0: none, the library's default policy)",
+        default=0,
+        help="dflash-mlx serve's (default 0: none, the library's default policy)",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per server")
     parser.add_argument(
@@ -298,6 +298,7 @@ def main() -> None:
     prompts = load_prompts()[: args.prompts]
     model = args.model or float32_smollm2_dir()
     servers = [*SERVERS, *(["dflash-before"] if args.before else [])]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     ports = {name: free_port() for name in servers}
     commands = server_commands(args, model, ports)
     clients = {

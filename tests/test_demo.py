@@ -53,24 +53,24 @@ def test_demo_says_nothing_of_a_cut_where_the_reply_ended_by_itself(make_pair, t
 
 def test_demo_verifies_trees_or_the_chain(make_pair, capsys):
     target, draft = make_pair("llama-tied-gqa")
-    for budget, shape in ((6, "(trees of 6)"), (0, "(chain)"), (None, "(chain)")):
+    default = "(chains or trees by measured cost)"
+    for budget, shape in ((6, "(trees of 6)"), (0, "(chain)"), (None, default)):
         demo.run(demo_args(model=target, draft=str(draft), max_tokens=24, tree_budget=budget))
         lines = capsys.readouterr().out.splitlines()
         assert any(line.startswith("DFlash :") and line.endswith(shape) for line in lines)
         assert any("output identical" in line for line in lines)
     with pytest.raises(ValueError, match="--tree-budget must be 0"):
         demo.run(demo_args(model=target, draft=str(draft), tree_budget=-1))
-    # trees of 8 by default with the shipped drafter only (any other: the chain)
-    assert demo.default_tree_budget(str(demo.SHIPPED_DRAFTER)) == demo.DEMO_TREE_BUDGET == 8
-    assert demo.default_tree_budget(draft) == 0
 
 
 def test_demo_runs_the_chain_for_a_target_that_cannot_verify_trees(capsys):
     model = build("qwen3_5")  # recurrent layers
-    setting = demo.verify_setting(model, init_draft(model, num_layers=1, block_size=4), 6)
+    draft = init_draft(model, num_layers=1, block_size=4)
+    setting = demo.verify_setting(model, draft, 6)
     assert isinstance(setting["block_policy"], AdaptiveBlock) and "tree_budget" not in setting
     note = capsys.readouterr().out
     assert note.startswith("note: tree verification does not support") and "chain" in note
+    assert isinstance(demo.verify_setting(model, draft, None)["block_policy"], AdaptiveBlock)
 
 
 def test_demo_without_baseline(make_pair, capsys):

